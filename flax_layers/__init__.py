@@ -1,0 +1,1 @@
+"""Flax NNX layers built on :mod:`gdn2_jax`."""

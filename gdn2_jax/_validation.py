@@ -1,0 +1,181 @@
+"""Argument checks shared by every GDN-2 entry point.
+
+Every check here runs in Python at trace time, before any computation is staged, and raises a
+``ValueError`` or ``TypeError`` whose message names the offending argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Static problem description derived from validated inputs."""
+
+    B: int
+    T: int
+    H: int  # query/key heads
+    HV: int  # value heads (a multiple of H)
+    K: int
+    V: int
+    N: int  # number of sequences (B, or len(cu_seqlens) - 1)
+    scale: float
+    compute_dtype: Any  # jnp.float32, or jnp.float64 when any input is float64
+    varlen: bool
+
+    @property
+    def group(self) -> int:
+        """Value heads per query/key head (HV // H)."""
+        return self.HV // self.H
+
+
+def _is_float(x) -> bool:
+    return any(np.dtype(x.dtype) == np.dtype(d) for d in _FLOAT_DTYPES)
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_inputs(
+    fn: str,
+    q,
+    k,
+    v,
+    g,
+    b,
+    w,
+    *,
+    scale,
+    initial_state,
+    cu_seqlens,
+    output_final_state,
+    use_qk_l2norm_in_kernel,
+) -> Dims:
+    """Validate the arguments of ``chunk_gdn2`` / ``fused_recurrent_gdn2`` and friends.
+
+    Returns the static :class:`Dims`. Raises ``TypeError`` for wrong dtypes or non-array inputs and
+    ``ValueError`` for wrong shapes or values; every message starts with ``fn`` and names the argument.
+    """
+    named = dict(q=q, k=k, v=v, g=g, b=b, w=w)
+    for name, x in named.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{fn}: `{name}` must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(
+                f"{fn}: `{name}` must be 4-D [B, T, heads, dim], got shape {tuple(x.shape)}"
+            )
+        if not _is_float(x):
+            raise TypeError(
+                f"{fn}: `{name}` must be a floating-point array (float16, bfloat16, float32 or "
+                f"float64), got dtype {x.dtype}"
+            )
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"{fn}: `k` must have the shape of `q` {tuple(q.shape)} [B, T, H, K], got {tuple(k.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if v.shape[:2] != (B, T):
+        raise ValueError(
+            f"{fn}: `v` must share B and T with `q` ({B}, {T}), got shape {tuple(v.shape)}"
+        )
+    if w.shape != v.shape:
+        raise ValueError(f"{fn}: `w` must have the shape of `v` {tuple(v.shape)} [B, T, HV, V], got {tuple(w.shape)}")
+    for name in ("g", "b"):
+        x = named[name]
+        if x.shape != (B, T, HV, K):
+            raise ValueError(
+                f"{fn}: `{name}` must have shape [B, T, HV, K] = {(B, T, HV, K)}, got {tuple(x.shape)}"
+            )
+    if H == 0 or HV % H != 0:
+        raise ValueError(
+            f"{fn}: the number of value heads HV={HV} (from `v`) must be a positive multiple of the "
+            f"number of query/key heads H={H} (from `q`)"
+        )
+    if K < 1:
+        raise ValueError(f"{fn}: unsupported key head dim K={K} (from `q`); K must be >= 1")
+    if V < 1:
+        raise ValueError(f"{fn}: unsupported value head dim V={V} (from `v`); V must be >= 1")
+    if HV < 1:
+        raise ValueError(f"{fn}: `v` must have at least one head, got shape {tuple(v.shape)}")
+
+    use_f64 = any(np.dtype(x.dtype) == np.float64 for x in named.values())
+
+    if scale is None:
+        scale = K ** -0.5
+    else:
+        if isinstance(scale, jax.core.Tracer) or hasattr(scale, "shape") and getattr(scale, "ndim", 0) > 0:
+            raise TypeError(f"{fn}: `scale` must be a Python float, got {type(scale).__name__}")
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"{fn}: `scale` must be a Python float, got {scale!r}") from None
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"{fn}: `scale` must be a finite number > 0, got {scale}")
+
+    varlen = cu_seqlens is not None
+    if varlen:
+        if not hasattr(cu_seqlens, "shape") or cu_seqlens.ndim != 1:
+            raise ValueError(f"{fn}: `cu_seqlens` must be a 1-D integer array [N + 1]")
+        if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+            raise TypeError(f"{fn}: `cu_seqlens` must have an integer dtype, got {cu_seqlens.dtype}")
+        if cu_seqlens.shape[0] < 2:
+            raise ValueError(f"{fn}: `cu_seqlens` must hold at least two offsets [0, ..., T], got {cu_seqlens.shape[0]}")
+        if B != 1:
+            raise ValueError(
+                f"{fn}: with `cu_seqlens` the batch size must be 1 (sequences packed along T), got B={B}"
+            )
+        if _is_concrete(cu_seqlens):
+            cu = np.asarray(cu_seqlens)
+            if cu[0] != 0:
+                raise ValueError(f"{fn}: `cu_seqlens` must start at 0, got {cu[0]}")
+            if np.any(np.diff(cu) < 0):
+                raise ValueError(f"{fn}: `cu_seqlens` must be non-decreasing, got {cu.tolist()}")
+            if cu[-1] != T:
+                raise ValueError(f"{fn}: `cu_seqlens` must end at T={T}, got {cu[-1]}")
+        N = cu_seqlens.shape[0] - 1
+    else:
+        N = B
+
+    if initial_state is not None:
+        if not hasattr(initial_state, "shape"):
+            raise TypeError(f"{fn}: `initial_state` must be an array, got {type(initial_state).__name__}")
+        if tuple(initial_state.shape) != (N, HV, K, V):
+            raise ValueError(
+                f"{fn}: `initial_state` must have shape [N, HV, K, V] = {(N, HV, K, V)}, "
+                f"got {tuple(initial_state.shape)}"
+            )
+        sdt = np.dtype(initial_state.dtype)
+        if sdt == np.float64:
+            use_f64 = True
+        elif sdt != np.float32:
+            raise TypeError(
+                f"{fn}: `initial_state` must be float32 (or float64 with jax_enable_x64), got {initial_state.dtype}"
+            )
+
+    if not isinstance(output_final_state, (bool, np.bool_)):
+        raise TypeError(f"{fn}: `output_final_state` must be a Python bool, got {type(output_final_state).__name__}")
+    if not isinstance(use_qk_l2norm_in_kernel, (bool, np.bool_)):
+        raise TypeError(
+            f"{fn}: `use_qk_l2norm_in_kernel` must be a Python bool, got {type(use_qk_l2norm_in_kernel).__name__}"
+        )
+
+    return Dims(
+        B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, scale=scale,
+        compute_dtype=jnp.float64 if use_f64 else jnp.float32, varlen=varlen,
+    )
+
+
+def check_finite_gates(fn: str, g, b, w) -> None:
+    """Raise ``ValueError`` if a *concrete* gate holds NaN/inf. Traced gates are not inspected."""
+    for name, x in (("g", g), ("b", b), ("w", w)):
+        if _is_concrete(x) and not bool(jnp.all(jnp.isfinite(x))):
+            raise ValueError(f"{fn}: `{name}` contains NaN or inf")

@@ -1,0 +1,123 @@
+"""Public GDN-2 ops: ``chunk_gdn2`` (prefill / training) and ``fused_recurrent_gdn2`` (decode).
+
+Names, shapes and semantics follow FLA's ``fla.ops.gdn2`` (flash-linear-attention 0.6.0) and the paper
+(Hatamizadeh, Choi, Kautz, "Gated DeltaNet-2", arXiv:2605.22791), with two deliberate differences:
+everything after ``w`` is keyword-only, and grouped value heads (HV a multiple of H) are accepted by
+both ops.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from . import _backend, _tilelang_ops
+from ._validation import check_finite_gates, check_inputs
+from .reference import recurrent_forward
+
+__all__ = ["chunk_gdn2", "fused_recurrent_gdn2"]
+
+_DOC_ARGS = """
+    Args:
+      q, k: ``[B, T, H, K]`` queries and keys; float16, bfloat16, float32 (float64 under x64, xla only).
+      v: ``[B, T, HV, V]`` values. HV must be a positive multiple of H; value head j reads qk head j // (HV/H).
+      g: ``[B, T, HV, K]`` per-key-channel decay in natural-log units (decay factor ``exp(g)``, so g <= 0 in
+        practice; float32 recommended, bfloat16 accepted).
+      b: ``[B, T, HV, K]`` activated erase gate, in [0, 1] (sigmoid), or [0, 2] for negative eigenvalues.
+      w: ``[B, T, HV, V]`` activated write gate, in [0, 1].
+      scale: positive float multiplying q; default ``K ** -0.5``.
+      initial_state: ``[N, HV, K, V]`` float32 state per sequence (N = B, or ``len(cu_seqlens) - 1``);
+        default zeros.
+      output_final_state: if True also return the final state ``[N, HV, K, V]`` (float32).
+      use_qk_l2norm_in_kernel: L2-normalise q and k over K first (``x * rsqrt(sum x^2 + 1e-6)`` in fp32).
+      cu_seqlens: ``[N + 1]`` int32/int64 offsets of sequences packed along T (requires B == 1). Each sequence
+        starts from ``initial_state[n]`` (or zero); zero-length sequences are allowed.
+      backend: ``"xla"`` (pure jnp, any device, differentiable), ``"tilelang"`` (TileLang kernels on NVIDIA
+        Hopper GPUs), or ``"auto"`` (tilelang where it is available, else xla).
+
+    Returns:
+      ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[N, HV, K, V]`` float32 (float64
+      under x64 with float64 inputs), or None when ``output_final_state`` is False.
+
+    Raises:
+      TypeError / ValueError, naming the argument, for wrong shapes, dtypes or values (checked in Python
+      before anything runs); NotImplementedError for a backend that cannot serve the call.
+"""
+
+
+def chunk_gdn2(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    b: jax.Array,
+    w: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    backend: str = "auto",
+):
+    """Chunked (C = 64, WY form) GDN-2 for prefill and training.
+
+    Computes, per sequence and value head, ``S_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t) S_{t−1} + k_t (w_t⊙v_t)ᵀ``
+    and ``o_t = scale · S_tᵀ q_t`` (paper eq. 10; FLA ``chunk_gdn2``). Works under ``jax.jit``, ``jax.grad``
+    (hand-written chunk-level VJP for all seven inputs q, k, v, g, b, w, initial_state), ``jax.vmap`` and
+    ``jax.checkpoint``.
+    """
+    fn = "chunk_gdn2"
+    be = _backend.resolve(backend, fn)
+    dims = check_inputs(fn, q, k, v, g, b, w, scale=scale, initial_state=initial_state,
+                        cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    check_finite_gates(fn, g, b, w)
+    if be == "tilelang":
+        return _tilelang_ops.chunk_gdn2(q, k, v, g, b, w, dims=dims, initial_state=initial_state,
+                                        output_final_state=output_final_state,
+                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                        cu_seqlens=cu_seqlens)
+    from ._chunk import chunk_forward_xla
+
+    return chunk_forward_xla(q, k, v, g, b, w, dims, initial_state, cu_seqlens,
+                             output_final_state, use_qk_l2norm_in_kernel)
+
+
+def fused_recurrent_gdn2(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    b: jax.Array,
+    w: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    backend: str = "auto",
+):
+    """Token-recurrent GDN-2 for decode and short inputs (one token, or a few).
+
+    Same operator and arguments as :func:`chunk_gdn2`; cost is linear in T with a sequential loop, so use
+    it for T up to ~64. FLA's version takes ``A_log`` as its 7th positional argument; here everything after
+    ``w`` is keyword-only. The xla backend is differentiable (autodiff through the token loop).
+    """
+    fn = "fused_recurrent_gdn2"
+    be = _backend.resolve(backend, fn)
+    dims = check_inputs(fn, q, k, v, g, b, w, scale=scale, initial_state=initial_state,
+                        cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    check_finite_gates(fn, g, b, w)
+    if be == "tilelang":
+        return _tilelang_ops.fused_recurrent_gdn2(q, k, v, g, b, w, dims=dims, initial_state=initial_state,
+                                                  output_final_state=output_final_state,
+                                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                                  cu_seqlens=cu_seqlens)
+    return recurrent_forward(q, k, v, g, b, w, dims, initial_state, cu_seqlens,
+                             output_final_state, use_qk_l2norm_in_kernel)
+
+
+chunk_gdn2.__doc__ += _DOC_ARGS
+fused_recurrent_gdn2.__doc__ += _DOC_ARGS

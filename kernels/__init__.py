@@ -1,0 +1,1 @@
+"""TileLang kernels for GDN-2, framework-neutral (never imports jax)."""
