@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._chunk import naive_chunk_gdn2  # re-export (the chunked reference lives in _chunk.py)
 from ._validation import Dims, check_inputs
 
 __all__ = ["naive_recurrent_gdn2", "naive_chunk_gdn2", "l2norm"]
@@ -26,6 +27,7 @@ L2NORM_EPS = 1e-6
 
 def l2norm(x: jax.Array) -> jax.Array:
     """``x / sqrt(sum(x**2, -1) + 1e-6)`` computed in fp32 (fp64 for fp64 input), cast back to x.dtype."""
+    x = jnp.asarray(x)  # canonical dtype (numpy float64 without x64 -> float32)
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     return (xf * lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
 
@@ -134,15 +136,10 @@ def recurrent_forward(q, k, v, g, b, w, dims: Dims, initial_state, cu_seqlens,
                       output_final_state: bool, use_qk_l2norm_in_kernel: bool):
     """``naive_recurrent_gdn2`` after validation (also the xla backend of ``fused_recurrent_gdn2``)."""
     cdt = dims.compute_dtype
+    out_dtype = jax.dtypes.canonicalize_dtype(q.dtype)  # numpy float64 without x64 -> float32, no warning
     q, k = prepare_qk(q, k, dims, use_qk_l2norm_in_kernel)
     h0 = (jnp.zeros((dims.N, dims.HV, dims.K, dims.V), cdt) if initial_state is None
-          else initial_state.astype(cdt))
+          else jnp.asarray(initial_state).astype(cdt))  # numpy h0 must be indexable by traced ids
     o, final = _recurrent(*(x.astype(cdt) for x in (q, k, v, g, b, w)), dims.scale, h0,
                           cu_seqlens, dims)
-    return o.astype(q.dtype), (final if output_final_state else None)
-
-
-def naive_chunk_gdn2(*args, **kwargs):  # filled in by the chunk reference (see _chunk.py)
-    from ._chunk import naive_chunk_gdn2 as impl
-
-    return impl(*args, **kwargs)
+    return o.astype(out_dtype), (final if output_final_state else None)
