@@ -1,0 +1,445 @@
+"""Flax NNX Gated DeltaNet-2 (GDN-2) token-mixing layer with an explicit prefill/decode cache.
+
+Structure and parameterisation follow the reference layers (spec §4): NVlabs ``lit_gpt/gdn2.py`` (the paper's
+code, Hatamizadeh, Choi, Kautz, arXiv:2605.22791) and FLA's ``fla/layers/gdn2.py`` (flash-linear-attention
+0.6.0), which differ only in the output-gate activation (SiLU in the paper / NVlabs, sigmoid in FLA) and the
+initialisation. Per token ``x`` (``[hidden_size]``):
+
+* ``q, k, v = SiLU(ShortConv_4(W_q x)), ...`` (depthwise causal convolution, kernel 4, no bias);
+* ``g = -exp(A_log)[h] * softplus(f_proj(x) + dt_bias)`` in float32 (natural-log decay per key channel),
+  with the low-rank ``f_proj = Linear(hidden -> head_v_dim) -> Linear(head_v_dim -> H*K)``;
+* ``b = sigmoid(b_proj(x))`` (times 2 with ``allow_neg_eigval``), ``w = sigmoid(w_proj(x))``;
+* ``o = chunk_gdn2 / fused_recurrent_gdn2(q, k, v, g, b, w, use_qk_l2norm_in_kernel=True)``;
+* ``y = o_proj(RMSNorm(o) * act(g_proj(x)))`` per value head, ``act`` = SiLU (default) or sigmoid.
+
+The cache (:class:`GDN2Cache`) uses FLA's layouts: conv windows ``[N, D, W]`` holding the last W projected
+inputs (newest last) and the float32 recurrent state ``[N, HV, K, V]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn2_jax import chunk_gdn2, fused_recurrent_gdn2
+from gdn2_jax.reference import sequence_ids
+
+__all__ = ["GatedDeltaNet2", "GDN2Cache", "ShortConvolution", "GatedRMSNorm", "nvlabs_kernel_init"]
+
+GATE_ACTIVATIONS = ("silu", "swish", "sigmoid")
+
+# NVlabs initialises every Linear with Xavier-uniform, gain 2**-2.5, and zero biases:
+# variance_scaling(gain**2, fan_avg, uniform) has limit gain * sqrt(6 / (fan_in + fan_out)).
+nvlabs_kernel_init = nnx.initializers.variance_scaling(2.0 ** -5, "fan_avg", "uniform")
+# PyTorch's Conv1d default (kaiming_uniform, a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = W for a
+# depthwise kernel. Both reference layers keep it for the short convolutions.
+_torch_conv_init = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform", in_axis=0, out_axis=1)
+
+
+class GDN2Cache(NamedTuple):
+    """Decode cache of one :class:`GatedDeltaNet2` layer (a pytree; donate it between decode steps).
+
+    Attributes:
+      recurrent_state: ``[N, HV, K, V]`` float32 GDN-2 state (N = batch size, or number of packed sequences).
+      conv_state: ``(q, k, v)`` windows ``[N, D, W]`` (D = key_dim, key_dim, value_dim; W = conv_size) with the
+        last W projected inputs, newest at index W - 1 (FLA's ShortConvolution layout), or None without
+        short convolutions.
+    """
+
+    recurrent_state: jax.Array
+    conv_state: tuple[jax.Array, jax.Array, jax.Array] | None
+
+
+def _meta(sharding, *axes):
+    """``out_sharding`` metadata for a parameter, naming mesh axes by role ("embed", "heads", None)."""
+    if sharding is None:
+        return {}
+    embed, heads = sharding
+    names = {"embed": embed, "heads": heads, None: None}
+    return {"out_sharding": tuple(names[a] for a in axes)}
+
+
+def _linear(din, dout, *, use_bias=False, axes, sharding, kernel_init, dtype, param_dtype, rngs):
+    return nnx.Linear(din, dout, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                      kernel_init=kernel_init, bias_init=nnx.initializers.zeros, rngs=rngs,
+                      kernel_metadata=_meta(sharding, *axes), bias_metadata=_meta(sharding, axes[1]))
+
+
+class ShortConvolution(nnx.Module):
+    """Depthwise causal 1-D convolution + SiLU with a cached window (FLA ``ShortConvolution`` semantics).
+
+    ``y_t = SiLU(bias + sum_j kernel[j] * x_{t - (W-1) + j})``, where inputs before the start of a sequence
+    come from the cache (zeros without one). Computed in float32, returned in the input's dtype.
+
+    Args:
+      features: channels D.
+      kernel_size: window W (default 4).
+      use_bias: add a per-channel bias (default False, as in both reference layers).
+      activation: ``"silu"`` (default) or None.
+      param_dtype: dtype of ``kernel`` ``[W, D]`` (and ``bias`` ``[D]``).
+      kernel_init: default PyTorch's Conv1d init ``U(-1/sqrt(W), 1/sqrt(W))``.
+    """
+
+    def __init__(self, features: int, kernel_size: int = 4, *, use_bias: bool = False,
+                 activation: str | None = "silu", param_dtype=jnp.float32, kernel_init=None,
+                 sharding=None, rngs: nnx.Rngs):
+        if activation not in ("silu", "swish", None):
+            raise ValueError(f"ShortConvolution: `activation` must be 'silu' or None, got {activation!r}")
+        init = _torch_conv_init if kernel_init is None else kernel_init
+        self.kernel = nnx.Param(init(rngs.params(), (kernel_size, features), param_dtype),
+                                **_meta(sharding, None, "heads"))
+        if use_bias:
+            bound = 1.0 / math.sqrt(kernel_size)
+            self.bias = nnx.Param(jax.random.uniform(rngs.params(), (features,), param_dtype, -bound, bound),
+                                  **_meta(sharding, "heads"))
+        else:
+            self.bias = nnx.data(None)
+        self.features = features
+        self.kernel_size = kernel_size
+        self.activation = activation
+
+    def __call__(self, x: jax.Array, *, cache: jax.Array | None = None, lengths: jax.Array | None = None,
+                 cu_seqlens: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Convolve ``x`` ``[B, T, D]``; return ``(y [B, T, D], new_window [N, D, W])``.
+
+        ``cache`` ``[N, D, W]`` holds the inputs preceding each sequence. ``lengths`` ``[B]``: only the first
+        ``lengths[b]`` tokens of row b are real (the window ends there; later outputs are don't-care).
+        ``cu_seqlens`` ``[N + 1]`` (B == 1): packed sequences, each with its own window, reset at every start.
+        """
+        W = self.kernel_size
+        kernel = self.kernel[...].astype(jnp.float32)
+        xf = x.astype(jnp.float32)
+        prev = None if cache is None else jnp.swapaxes(cache, 1, 2).astype(jnp.float32)  # [N, W, D]
+        if cu_seqlens is None:
+            y, window = _conv_rows(xf, kernel, prev, lengths)
+        else:
+            y, window = _conv_packed(xf, kernel, prev, cu_seqlens)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        if self.activation is not None:
+            y = jax.nn.silu(y)
+        out_dtype = x.dtype if cache is None else cache.dtype
+        return y.astype(x.dtype), jnp.swapaxes(window, 1, 2).astype(out_dtype)
+
+
+def _conv_rows(x, kernel, prev, lengths):
+    """One sequence per row. x [B,T,D] f32, kernel [W,D], prev [B,W,D] or None -> (y [B,T,D], window [B,W,D])."""
+    B, T, D = x.shape
+    W = kernel.shape[0]
+    if prev is None:
+        prev = jnp.zeros((B, W, D), x.dtype)
+    full = jnp.concatenate([prev, x], axis=1)  # [B, W + T, D]; token t sits at W + t
+    # kernel[j] multiplies the input at t - (W-1) + j, i.e. full[:, t + 1 + j].
+    y = sum(kernel[j] * full[:, 1 + j:1 + j + T] for j in range(W))
+    if lengths is None:
+        window = full[:, T:]
+    else:  # the W inputs ending at the last real token of each row
+        idx = lengths.astype(jnp.int32)[:, None] + jnp.arange(W, dtype=jnp.int32)
+        window = jnp.take_along_axis(full, idx[..., None], axis=1)
+    return y, window
+
+
+def _conv_packed(x, kernel, prev, cu_seqlens):
+    """Packed sequences (B == 1): reads never cross a ``cu_seqlens`` boundary; each sequence n starts from prev[n]."""
+    _, T, D = x.shape
+    W = kernel.shape[0]
+    N = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    if prev is None:
+        prev = jnp.zeros((N, W, D), x.dtype)
+    # One pool of rows: the N cached windows (slot n, position j at n*W + j), then the T tokens (at N*W + t).
+    pool = jnp.concatenate([prev.reshape(N * W, D), x[0]], axis=0)
+    t = jnp.arange(T, dtype=jnp.int32)
+    seq, _ = sequence_ids(cu, T)
+    pos = t - cu[seq]  # position inside its own sequence
+
+    def source(n, start, p):  # row of the input p tokens into sequence n (p < 0: from its window)
+        return jnp.where(p >= 0, N * W + start + p, n * W + W + p)
+
+    y = sum(kernel[j] * pool[source(seq, cu[seq], pos - (W - 1 - j))] for j in range(W))
+    n = jnp.arange(N, dtype=jnp.int32)
+    p = (cu[1:] - cu[:-1])[:, None] - W + jnp.arange(W, dtype=jnp.int32)  # [N, W]
+    window = pool[source(n[:, None], cu[:-1, None], p)]
+    return y[None], window
+
+
+class GatedRMSNorm(nnx.Module):
+    """``RMSNorm(x) * scale * act(gate)`` over the last axis, in float32 (FLA ``FusedRMSNormGated`` math).
+
+    ``act`` is SiLU (``"silu"``/``"swish"``; NVlabs ``FusedRMSNormSwishGate``, the paper) or ``"sigmoid"``
+    (FLA's GDN-2 layer). ``rms = sqrt(mean(x^2) + eps)``. Returns x's dtype.
+    """
+
+    def __init__(self, features: int, *, eps: float = 1e-5, activation: str = "silu", param_dtype=jnp.float32,
+                 sharding=None):
+        if activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"GatedRMSNorm: `activation` must be one of {GATE_ACTIVATIONS}, got {activation!r}")
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype), **_meta(sharding, None))
+        self.eps = eps
+        self.activation = activation
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        gf = gate.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        y = y * self.scale[...].astype(jnp.float32)
+        y = y * (jax.nn.sigmoid(gf) if self.activation == "sigmoid" else jax.nn.silu(gf))
+        return y.astype(x.dtype)
+
+
+class GatedDeltaNet2(nnx.Module):
+    """Gated DeltaNet-2 layer (Flax NNX) with an explicit cache for chunked prefill and token decode.
+
+    Args:
+      hidden_size: model width d.
+      head_dim: key head dim K (default 128). Value head dim is ``V = int(head_dim * expand_v)``.
+      num_heads: query/key heads H (default 16).
+      num_v_heads: value heads HV (grouped value attention when HV > H; HV must be a multiple of H).
+        Default: ``num_heads``.
+      expand_v: value expansion (default 1.0).
+      use_short_conv: depthwise causal conv + SiLU on q, k, v (default True); otherwise SiLU only.
+      conv_size: conv window W (default 4). conv_bias: bias in the convs (default False).
+      allow_neg_eigval: ``b = 2 * sigmoid(...)`` in [0, 2] (default False).
+      norm_eps: eps of the gated output RMSNorm (default 1e-5).
+      gate_activation: output gate, ``"silu"`` (default; paper / NVlabs) or ``"sigmoid"`` (FLA's layer; use it
+        for weights converted from FLA, see :mod:`flax_layers.convert`).
+      mode: ``"chunk"`` (default) or ``"fused_recurrent"``: the op used for inputs longer than 64 tokens in
+        inference. As in FLA, inference calls with ``T <= 64`` use ``fused_recurrent_gdn2``.
+      train_mode: the op used in training (``deterministic=False``): ``"chunk"`` (default, as FLA) or
+        ``"fused_recurrent"`` (differentiable with the xla backend: autodiff through the token loop, which on
+        a CPU is often faster than the chunked form for small heads).
+      backend: backend of the ops in inference (``deterministic=True``): ``"auto"`` (default; the TileLang
+        kernels on a Hopper GPU where they exist and take the inputs, e.g. bfloat16 with head dims 64/128,
+        else ``"xla"``), ``"xla"`` or ``"tilelang"``.
+      train_backend: backend of the op when training (``deterministic=False``). Default ``"xla"``: forward and
+        backward in jnp. (``"auto"``/``"tilelang"`` run the TileLang forward kernels, whose VJP recomputes the
+        forward through the xla path, so they cost more per training step.)
+      deterministic: inference mode. Default False (training), as for ``nnx.Dropout``; ``model.eval()`` sets it
+        to True and ``model.train()`` back to False; ``__call__`` may override it per call.
+      dtype: computation dtype of the projections, convs and op inputs (default: promote input and params).
+        The decay ``g``, the norm and the recurrent state are always float32.
+      param_dtype: dtype of every parameter (default float32), including ``A_log`` and ``dt_bias``.
+      kernel_init: initialiser of every Linear kernel. Default: NVlabs' Xavier-uniform with gain ``2**-2.5``
+        (:data:`nvlabs_kernel_init`); FLA's layer keeps PyTorch's default Linear init instead. Biases start
+        at zero, conv kernels at PyTorch's Conv1d default, ``A_log = log U(1, 16)``,
+        ``dt_bias = softplus^-1(dt)`` with ``dt ~ logU(1e-3, 1e-1)`` clamped >= 1e-4 (both references).
+      sharding: optional ``(embed_axis, heads_axis)`` mesh-axis names; every parameter gets ``out_sharding``
+        metadata (input projections ``(embed, heads)``, ``o_proj`` ``(heads, embed)``, low-rank inner dims and
+        conv windows unsharded, ``A_log``/``dt_bias``/conv kernels on heads). Flax shards such parameters
+        eagerly: build the layer inside ``jax.set_mesh(mesh)`` (a mesh with ``AxisType.Auto`` axes; meshes with
+        explicit axis types are not supported).
+      rngs: ``nnx.Rngs`` for the initialisation.
+
+    Parameters (state paths) mirror FLA's state_dict names: ``q_proj``, ``k_proj``, ``v_proj``,
+    ``q_conv1d``/``k_conv1d``/``v_conv1d`` (kernel ``[W, D]``), ``f_proj.layers.{0,1}``, ``b_proj``, ``w_proj``,
+    ``A_log`` ``[H]``, ``dt_bias`` ``[H*K]``, ``g_proj.layers.{0,1}`` (second with bias), ``o_norm.scale``
+    ``[V]``, ``o_proj``.
+
+    Raises:
+      ValueError: for inconsistent sizes or unknown option strings.
+
+    Examples::
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from flax_layers import GatedDeltaNet2
+        >>> layer = GatedDeltaNet2(64, head_dim=16, num_heads=2, num_v_heads=4, rngs=nnx.Rngs(0))
+        >>> layer.eval()                                   # inference dispatch (deterministic=True)
+        >>> x = jnp.ones((2, 10, 64))
+        >>> y, cache = layer(x[:, :9])                     # prefill, fills the cache
+        >>> y_t, cache = layer(x[:, 9:], cache=cache)      # one decode step
+        >>> y.shape, cache.recurrent_state.shape
+        ((2, 9, 64), (2, 4, 16, 16))
+    """
+
+    def __init__(self, hidden_size: int, *, head_dim: int = 128, num_heads: int = 16, num_v_heads: int | None = None,
+                 expand_v: float = 1.0, use_short_conv: bool = True, conv_size: int = 4, conv_bias: bool = False,
+                 allow_neg_eigval: bool = False, norm_eps: float = 1e-5, gate_activation: str = "silu",
+                 mode: str = "chunk", train_mode: str = "chunk", backend: str = "auto", train_backend: str = "xla",
+                 deterministic: bool = False, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 kernel_init=None, sharding: tuple[str | None, str | None] | None = None, rngs: nnx.Rngs):
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        head_v_dim = int(head_dim * expand_v)
+        if min(hidden_size, head_dim, num_heads, num_v_heads, conv_size) < 1:
+            raise ValueError("GatedDeltaNet2: hidden_size, head_dim, num_heads, num_v_heads and conv_size "
+                             "must be >= 1")
+        if not math.isclose(head_dim * expand_v, head_v_dim, rel_tol=1e-5) or head_v_dim < 1:
+            raise ValueError(f"GatedDeltaNet2: `expand_v`={expand_v} times head_dim={head_dim} "
+                             "is not a positive integer")
+        if num_v_heads < num_heads or num_v_heads % num_heads:
+            raise ValueError(f"GatedDeltaNet2: `num_v_heads`={num_v_heads} must be a multiple of num_heads={num_heads}")
+        if gate_activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"GatedDeltaNet2: `gate_activation` must be one of {GATE_ACTIVATIONS}, "
+                             f"got {gate_activation!r}")
+        for name, md in (("mode", mode), ("train_mode", train_mode)):
+            if md not in ("chunk", "fused_recurrent"):
+                raise ValueError(f"GatedDeltaNet2: `{name}` must be 'chunk' or 'fused_recurrent', got {md!r}")
+        for name, be in (("backend", backend), ("train_backend", train_backend)):
+            if be not in ("auto", "xla", "tilelang"):
+                raise ValueError(f"GatedDeltaNet2: `{name}` must be 'auto', 'xla' or 'tilelang', got {be!r}")
+
+        self.hidden_size = hidden_size
+        self.head_dim = self.head_k_dim = head_dim
+        self.head_v_dim = head_v_dim
+        self.num_heads = num_heads
+        self.num_v_heads = num_v_heads
+        self.expand_v = expand_v
+        self.key_dim = num_heads * head_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.use_short_conv = use_short_conv
+        self.conv_size = conv_size
+        self.conv_bias = conv_bias
+        self.allow_neg_eigval = allow_neg_eigval
+        self.norm_eps = norm_eps
+        self.gate_activation = gate_activation
+        self.mode = mode
+        self.train_mode = train_mode
+        self.backend = backend
+        self.train_backend = train_backend
+        self.deterministic = deterministic
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+        kinit = nvlabs_kernel_init if kernel_init is None else kernel_init
+        lin = dict(sharding=sharding, kernel_init=kinit, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        d, dk, dv, r = hidden_size, self.key_dim, self.value_dim, head_v_dim
+        self.q_proj = _linear(d, dk, axes=("embed", "heads"), **lin)
+        self.k_proj = _linear(d, dk, axes=("embed", "heads"), **lin)
+        self.v_proj = _linear(d, dv, axes=("embed", "heads"), **lin)
+        if use_short_conv:
+            conv = dict(kernel_size=conv_size, use_bias=conv_bias, param_dtype=param_dtype, sharding=sharding,
+                        rngs=rngs)
+            self.q_conv1d = ShortConvolution(dk, **conv)
+            self.k_conv1d = ShortConvolution(dk, **conv)
+            self.v_conv1d = ShortConvolution(dv, **conv)
+        self.f_proj = nnx.Sequential(_linear(d, r, axes=("embed", None), **lin),
+                                     _linear(r, dk, axes=(None, "heads"), **lin))
+        self.b_proj = _linear(d, dk, axes=("embed", "heads"), **lin)
+        self.w_proj = _linear(d, dv, axes=("embed", "heads"), **lin)
+
+        key_a, key_dt = rngs.params(), rngs.params()
+        a = jax.random.uniform(key_a, (num_heads,), jnp.float32, 1.0, 16.0)
+        self.A_log = nnx.Param(jnp.log(a).astype(param_dtype), **_meta(sharding, "heads"))
+        dt = jnp.exp(jax.random.uniform(key_dt, (dk,), jnp.float32, math.log(1e-3), math.log(1e-1)))
+        dt = jnp.maximum(dt, 1e-4)
+        self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(param_dtype), **_meta(sharding, "heads"))
+
+        self.g_proj = nnx.Sequential(_linear(d, r, axes=("embed", None), **lin),
+                                     _linear(r, dv, use_bias=True, axes=(None, "heads"), **lin))
+        self.o_norm = GatedRMSNorm(r, eps=norm_eps, activation=gate_activation, param_dtype=param_dtype,
+                                   sharding=sharding)
+        self.o_proj = _linear(dv, d, axes=("heads", "embed"), **lin)
+
+    # ------------------------------------------------------------------------------------------------------
+    def init_cache(self, batch_size: int, dtype: Any = None) -> GDN2Cache:
+        """An empty cache for ``batch_size`` sequences (zeros: the state every sequence starts from).
+
+        Conv windows use ``dtype`` (default: the layer's ``dtype``, else ``param_dtype``); the recurrent state is
+        float32 ``[batch_size, HV, K, V]``.
+        """
+        dtype = dtype or self.dtype or self.param_dtype
+        state = jnp.zeros((batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim), jnp.float32)
+        conv = None
+        if self.use_short_conv:
+            conv = tuple(jnp.zeros((batch_size, dim, self.conv_size), dtype)
+                         for dim in (self.key_dim, self.key_dim, self.value_dim))
+        return GDN2Cache(state, conv)
+
+    def __call__(self, x: jax.Array, *, cache: GDN2Cache | None = None, attention_mask: jax.Array | None = None,
+                 cu_seqlens: jax.Array | None = None, deterministic: bool | None = None):
+        """Apply the layer to ``x`` ``[B, T, hidden_size]``; return ``(y [B, T, hidden_size], new_cache)``.
+
+        Args:
+          x: input; T may be anything >= 1 (also shorter than the conv window).
+          cache: state to continue from (:meth:`init_cache` or a previous call's ``new_cache``), batch N;
+            None starts every sequence from zeros. A call with T > 1 on a filled cache continues it (chunked
+            prefill); T == 1 is a decode step.
+          attention_mask: ``[B, T]`` bool/int, 1 for real tokens, 0 for padding (left, right or anywhere).
+            Padded positions leave the recurrent state and the conv window untouched (their decay, erase and
+            write gates are zeroed and the convolution skips them) and return y = 0.
+          cu_seqlens: ``[N + 1]`` int offsets of sequences packed along T (B == 1). Both the recurrent state and
+            the conv window reset at every boundary (to ``cache[n]`` when a cache of batch N is given).
+          deterministic: overrides ``self.deterministic`` for this call (True: inference dispatch with
+            ``backend``; False: training, the ``train_mode`` op with ``train_backend``).
+
+        Returns:
+          ``(y, new_cache)``: y in the computation dtype; new_cache a :class:`GDN2Cache` of batch N (B, or
+          ``len(cu_seqlens) - 1``).
+
+        Raises:
+          ValueError: for a wrong input rank/width, a mask of the wrong shape, ``attention_mask`` together
+            with ``cu_seqlens``, ``cu_seqlens`` with B != 1, or a cache of the wrong batch size.
+        """
+        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"GatedDeltaNet2: `x` must be [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        if attention_mask is not None and cu_seqlens is not None:
+            raise ValueError("GatedDeltaNet2: pass either `attention_mask` or `cu_seqlens`, not both")
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(f"GatedDeltaNet2: with `cu_seqlens` the batch size must be 1, got B={B}")
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        if cache is not None and cache.recurrent_state.shape[0] != N:
+            raise ValueError(f"GatedDeltaNet2: `cache` holds {cache.recurrent_state.shape[0]} sequences, "
+                             f"the input has {N}")
+        det = self.deterministic if deterministic is None else deterministic
+
+        lengths = restore = None
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (B, T):
+                raise ValueError(f"GatedDeltaNet2: `attention_mask` must be [B, T] = {(B, T)}, "
+                                 f"got {tuple(attention_mask.shape)}")
+            # Move each row's real tokens to its front (stable), so the conv reads only real tokens and the
+            # padded tail can be disabled with zero gates; the outputs are moved back at the end.
+            mask = attention_mask.astype(bool)
+            order = jnp.argsort(~mask, axis=1, stable=True)
+            x = jnp.take_along_axis(x, order[..., None], axis=1)
+            lengths = mask.sum(axis=1, dtype=jnp.int32)
+            restore = (mask, jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0))
+
+        conv_cache = (None,) * 3 if cache is None or cache.conv_state is None else cache.conv_state
+        conv_state = None
+        if self.use_short_conv:
+            outs = [conv(proj(x), cache=c, lengths=lengths, cu_seqlens=cu_seqlens) for conv, proj, c in
+                    zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), (self.q_proj, self.k_proj, self.v_proj),
+                        conv_cache)]
+            (q, cq), (k, ck), (v, cv) = outs
+            conv_state = (cq, ck, cv)
+        else:
+            q, k, v = (jax.nn.silu(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
+
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        f = self.f_proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * jax.nn.softplus(f).reshape(B, T, H, K)
+        b = jax.nn.sigmoid(self.b_proj(x)).reshape(B, T, H, K)
+        w = jax.nn.sigmoid(self.w_proj(x)).reshape(B, T, HV, V)
+        q, k = q.reshape(B, T, H, K), k.reshape(B, T, H, K)
+        v = v.reshape(B, T, HV, V)
+        if HV > H:  # value head j reads qk head j // (HV / H): repeat the qk-side gates over value groups
+            g, b = (jnp.repeat(z, HV // H, axis=2) for z in (g, b))
+        if self.allow_neg_eigval:
+            b = b * 2.0
+        if lengths is not None:  # padded tail: exp(0) = 1, no erase, no write -> state untouched
+            live = (jnp.arange(T, dtype=jnp.int32)[None, :] < lengths[:, None])[..., None, None]
+            g = jnp.where(live, g, 0.0)
+            b = jnp.where(live, b, jnp.zeros_like(b))
+            w = jnp.where(live, w, jnp.zeros_like(w))
+
+        if det:
+            use_recurrent = T <= 64 or self.mode == "fused_recurrent"
+        else:
+            use_recurrent = self.train_mode == "fused_recurrent"
+        op = fused_recurrent_gdn2 if use_recurrent else chunk_gdn2
+        o, state = op(q, k, v, g, b, w, initial_state=None if cache is None else cache.recurrent_state,
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                      backend=self.backend if det else self.train_backend)
+
+        gate = self.g_proj(x).reshape(B, T, HV, V)
+        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * V))
+        if restore is not None:
+            mask, rank = restore
+            y = jnp.where(mask[..., None], jnp.take_along_axis(y, rank[..., None], axis=1), jnp.zeros_like(y))
+        return y, GDN2Cache(state, conv_state)

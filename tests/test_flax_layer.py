@@ -1,0 +1,376 @@
+"""CPU tests of the Flax NNX GDN-2 layer (flax_layers.GatedDeltaNet2) and its FLA weight conversion.
+
+The oracle (`_reference_layer`) recomputes the layer independently in plain jnp from an FLA-format
+state_dict (FLA key names and torch layouts), with an explicit per-token convolution loop and the token-loop
+op `naive_recurrent_gdn2`. It shares no code with flax_layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flax_layers import (GatedDeltaNet2, GDN2Cache, cache_from_fla, cache_to_fla, from_fla_state_dict,
+                         load_fla_state_dict, to_fla_state_dict)
+from gdn2_jax import naive_recurrent_gdn2
+
+D_MODEL, HEAD_DIM, H = 24, 8, 2
+
+
+def ratio(ref, x):
+    ref = np.asarray(ref, np.float64)
+    x = np.asarray(x, np.float64)
+    return float(np.sqrt(np.mean((ref - x) ** 2)) / np.sqrt(np.mean(ref ** 2)))
+
+
+def make_layer(seed=0, *, num_v_heads=H, gate_activation="silu", allow_neg_eigval=False, randomize=True, **kw):
+    layer = GatedDeltaNet2(D_MODEL, head_dim=HEAD_DIM, num_heads=H, num_v_heads=num_v_heads,
+                           gate_activation=gate_activation, allow_neg_eigval=allow_neg_eigval,
+                           rngs=nnx.Rngs(seed), **kw)
+    if randomize:
+        # The NVlabs init (gain 2**-2.5) makes every projection tiny; larger random weights exercise all
+        # terms (gates far from 0.5, norm scale != 1, non-zero gate bias) at O(1) magnitudes.
+        rng = np.random.default_rng(seed + 100)
+        sd = to_fla_state_dict(layer)
+        for key, val in sd.items():
+            if key.endswith("_proj.weight") or key.endswith(".0.weight") or key.endswith(".1.weight"):
+                sd[key] = rng.standard_normal(val.shape) / math.sqrt(val.shape[1])
+            elif key in ("g_proj.1.bias", "o_norm.weight"):
+                sd[key] = rng.uniform(0.5, 1.5, val.shape) * (1 if key == "o_norm.weight" else 0.3)
+        load_fla_state_dict(layer, sd)
+    return layer
+
+
+def rand_x(seed, B, T, d=D_MODEL):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, d)), jnp.float32)
+
+
+def _reference_layer(sd, x, *, num_heads, head_dim, gate_activation, allow_neg_eigval, cache=None, eps=1e-5):
+    """Plain-jnp GDN-2 layer from FLA-layout weights. x [B,T,d]. cache: FLA dict or None. -> (y, cache dict)."""
+    B, T, _ = x.shape
+    K = head_dim
+    V = sd["f_proj.0.weight"].shape[0]
+    HV = sd["v_proj.weight"].shape[0] // V
+
+    def lin(name, z):
+        return z @ sd[name].T
+
+    new_conv = []
+    branches = []
+    for i, n in enumerate("qkv"):
+        z = lin(f"{n}_proj.weight", x)
+        wt = sd[f"{n}_conv1d.weight"][:, 0, :]  # [D, W]
+        W = wt.shape[1]
+        hist = (jnp.zeros((B, z.shape[-1], W)) if cache is None else cache["conv_state"][i])  # [B, D, W]
+        seq = jnp.concatenate([jnp.swapaxes(hist, 1, 2), z], axis=1)  # [B, W+T, D], token t at W+t
+        out = []
+        for t in range(T):
+            window = seq[:, W + t - (W - 1):W + t + 1]  # inputs t-W+1 .. t
+            out.append(jnp.einsum("bwd,dw->bd", window, wt))
+        branches.append(jax.nn.silu(jnp.stack(out, axis=1)))
+        new_conv.append(jnp.swapaxes(seq[:, -W:], 1, 2))
+    q, k, v = branches
+    f = lin("f_proj.1.weight", lin("f_proj.0.weight", x)) + sd["dt_bias"]
+    g = -jnp.exp(sd["A_log"])[:, None] * jax.nn.softplus(f.reshape(B, T, num_heads, K))
+    b = jax.nn.sigmoid(lin("b_proj.weight", x)).reshape(B, T, num_heads, K) * (2.0 if allow_neg_eigval else 1.0)
+    w = jax.nn.sigmoid(lin("w_proj.weight", x)).reshape(B, T, HV, V)
+    rep = HV // num_heads
+    g = jnp.repeat(g, rep, axis=2)
+    b = jnp.repeat(b, rep, axis=2)
+    o, state = naive_recurrent_gdn2(q.reshape(B, T, num_heads, K), k.reshape(B, T, num_heads, K),
+                                    v.reshape(B, T, HV, V), g, b, w,
+                                    initial_state=None if cache is None else cache["recurrent_state"],
+                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    gate = (lin("g_proj.1.weight", lin("g_proj.0.weight", x)) + sd["g_proj.1.bias"]).reshape(B, T, HV, V)
+    normed = o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * sd["o_norm.weight"]
+    act = jax.nn.sigmoid(gate) if gate_activation == "sigmoid" else gate * jax.nn.sigmoid(gate)
+    y = lin("o_proj.weight", (normed * act).reshape(B, T, HV * V))
+    return y, {"recurrent_state": state, "conv_state": tuple(new_conv)}
+
+
+def reference(layer, x, cache=None):
+    sd = {k: jnp.asarray(v) for k, v in to_fla_state_dict(layer).items()}
+    fcache = None if cache is None else {k: (tuple(map(jnp.asarray, v)) if isinstance(v, tuple) else jnp.asarray(v))
+                                         for k, v in cache_to_fla(cache).items()}
+    return _reference_layer(sd, x, num_heads=layer.num_heads, head_dim=layer.head_dim,
+                            gate_activation=layer.gate_activation, allow_neg_eigval=layer.allow_neg_eigval,
+                            cache=fcache)
+
+
+def assert_cache_close(ref, got, tol):
+    ref = cache_to_fla(ref) if isinstance(ref, GDN2Cache) else ref
+    got = cache_to_fla(got)
+    assert ratio(ref["recurrent_state"], got["recurrent_state"]) <= tol
+    for a, b in zip(ref["conv_state"], got["conv_state"]):
+        assert ratio(a, b) <= tol
+
+
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_v_heads,gate_activation,allow_neg_eigval,deterministic", [
+    pytest.param(H, "silu", False, True, id="H2-HV2-silu-recurrent"),
+    pytest.param(2 * H, "sigmoid", True, False, id="H2-HV4-GVA-sigmoid-negeig-chunk"),
+])
+def test_layer_matches_independent_reference(num_v_heads, gate_activation, allow_neg_eigval, deterministic):
+    layer = make_layer(1, num_v_heads=num_v_heads, gate_activation=gate_activation, allow_neg_eigval=allow_neg_eigval)
+    x = rand_x(2, 2, 11)
+    warm = make_layer(1, num_v_heads=num_v_heads)  # any cache with non-trivial content
+    _, cache = warm(rand_x(3, 2, 6), deterministic=True)
+    y, new = layer(x, cache=cache, deterministic=deterministic)
+    y_ref, cache_ref = reference(layer, x, cache)
+    assert float(jnp.sqrt(jnp.mean(y_ref ** 2))) > 1e-2  # the comparison is not between near-zeros
+    assert ratio(y_ref, y) <= 1e-5
+    assert_cache_close(cache_ref, new, 1e-5)
+
+
+def test_gradients_match_reference():
+    layer = make_layer(4, num_v_heads=2 * H, gate_activation="sigmoid")
+    layer.train()
+    x = rand_x(5, 2, 9)
+    r = rand_x(6, 2, 9)
+
+    def loss_layer(m):
+        y, _ = m(x)
+        return jnp.sum(y * r)
+
+    sd = {k: jnp.asarray(v) for k, v in to_fla_state_dict(layer).items()}
+    grads = nnx.grad(loss_layer)(layer)
+    gl = nnx.clone(layer)  # a copy holding the gradients, to read them in FLA layout
+    nnx.update(gl, grads)
+    g_layer = to_fla_state_dict(gl)
+
+    def loss_ref(sd):
+        y, _ = _reference_layer(sd, x, num_heads=H, head_dim=HEAD_DIM, gate_activation="sigmoid",
+                                allow_neg_eigval=False)
+        return jnp.sum(y * r)
+
+    g_ref = jax.grad(loss_ref)(sd)
+    assert set(g_ref) == set(g_layer)
+    for key in g_ref:
+        assert np.all(np.isfinite(g_layer[key])), key
+        assert ratio(g_ref[key], g_layer[key]) <= 1e-4, key
+
+
+@pytest.mark.parametrize("T,n", [(13, 4), (5, 3)], ids=["prefill9+decode4", "prefill2+decode3-shorter-than-conv"])
+def test_prefill_then_decode_equals_one_prefill(T, n):
+    layer = make_layer(7, num_v_heads=2 * H)
+    layer.eval()
+    x = rand_x(8, 2, T)
+    y_full, c_full = layer(x)
+    y, cache = layer(x[:, :T - n])
+    ys = [y]
+    for t in range(T - n, T):
+        yt, cache = layer(x[:, t:t + 1], cache=cache)
+        ys.append(yt)
+    y_steps = jnp.concatenate(ys, axis=1)
+    assert ratio(y_full, y_steps) <= 1e-5
+    assert_cache_close(c_full, cache, 1e-5)
+    y_ref, c_ref = reference(layer, x)
+    assert ratio(y_ref, y_full) <= 1e-5
+    assert_cache_close(c_ref, c_full, 1e-5)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["eval", "train-chunk"])
+def test_chunked_prefill_continues_from_cache(deterministic):
+    layer = make_layer(9)
+    x = rand_x(10, 2, 15)
+    y_full, c_full = layer(x, deterministic=deterministic)
+    y1, c1 = layer(x[:, :6], deterministic=deterministic)
+    y2, c2 = layer(x[:, 6:], cache=c1, deterministic=deterministic)
+    assert ratio(y_full, jnp.concatenate([y1, y2], axis=1)) <= 1e-5
+    assert_cache_close(c_full, c2, 1e-5)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["eval", "train-chunk"])
+def test_padded_batch_equals_unpadded_runs(deterministic):
+    layer = make_layer(11, num_v_heads=2 * H)
+    T = 9
+    lengths_and_offsets = [(9, 0), (5, 4), (6, 0), (2, 7), (0, 0)]  # full, left-pad, right-pad, short, empty
+    B = len(lengths_and_offsets)
+    seqs = [rand_x(20 + i, 1, L) for i, (L, _) in enumerate(lengths_and_offsets)]
+    _, cache = make_layer(12, num_v_heads=2 * H)(rand_x(13, B, 5), deterministic=True)  # filled cache
+    x = np.asarray(rand_x(14, B, T)) * 3.0  # garbage at padded positions
+    mask = np.zeros((B, T), bool)
+    for i, (L, off) in enumerate(lengths_and_offsets):
+        x[i, off:off + L] = np.asarray(seqs[i][0])
+        mask[i, off:off + L] = True
+    y, new = layer(jnp.asarray(x), cache=cache, attention_mask=jnp.asarray(mask), deterministic=deterministic)
+    assert np.all(np.asarray(y)[~mask] == 0)
+    for i, (L, off) in enumerate(lengths_and_offsets):
+        one = jax.tree.map(lambda a: a[i:i + 1], cache)
+        if L == 0:
+            ref_cache = one
+        else:
+            y_i, ref_cache = reference(layer, seqs[i], one)
+            assert ratio(y_i[0], y[i, off:off + L]) <= 1e-5, i
+        assert_cache_close(ref_cache, jax.tree.map(lambda a: a[i:i + 1], new), 1e-5)
+
+
+def test_packed_sequences_equal_per_sequence_runs():
+    layer = make_layer(15, num_v_heads=2 * H)
+    cu = [0, 5, 5, 6, 8, 16]  # includes an empty sequence and sequences shorter than the conv window
+    N = len(cu) - 1
+    x = rand_x(16, 1, cu[-1])
+    _, cache = make_layer(17, num_v_heads=2 * H)(rand_x(18, N, 4), deterministic=True)
+    for det in (True, False):
+        y, new = layer(x, cache=cache, cu_seqlens=jnp.asarray(cu, jnp.int32), deterministic=det)
+        for n in range(N):
+            one = jax.tree.map(lambda a: a[n:n + 1], cache)
+            if cu[n + 1] == cu[n]:
+                ref_cache = one
+            else:
+                y_n, ref_cache = reference(layer, x[:, cu[n]:cu[n + 1]], one)
+                assert ratio(y_n, y[:, cu[n]:cu[n + 1]]) <= 1e-5, (det, n)
+            assert_cache_close(ref_cache, jax.tree.map(lambda a: a[n:n + 1], new), 1e-5)
+    # without a cache every sequence starts from zeros (state and conv window)
+    y0, _ = layer(x, cu_seqlens=jnp.asarray(cu, jnp.int32), deterministic=True)
+    y_ref, _ = reference(layer, x[:, cu[3]:cu[4]])
+    assert ratio(y_ref, y0[:, cu[3]:cu[4]]) <= 1e-5
+
+
+def test_jit_nnx_jit_and_donated_decode():
+    layer = make_layer(19)
+    layer.eval()
+    x = rand_x(21, 2, 8)
+    y_eager, c_eager = layer(x[:, :5])
+
+    @nnx.jit
+    def prefill(m, x):
+        return m(x)
+
+    @nnx.jit(donate_argnames="cache")
+    def step(m, x, cache):
+        return m(x, cache=cache)
+
+    y, cache = prefill(layer, x[:, :5])
+    assert ratio(y_eager, y) <= 1e-6
+    ys = []
+    for t in range(5, 8):
+        yt, cache = step(layer, x[:, t:t + 1], cache)
+        ys.append(yt)
+    y_ref, c_ref = reference(layer, x)
+    assert ratio(y_ref[:, 5:], jnp.concatenate(ys, axis=1)) <= 1e-5
+    assert_cache_close(c_ref, cache, 1e-5)
+
+    graphdef, params = nnx.split(layer)
+
+    @jax.jit
+    def pure(params, x):
+        return nnx.merge(graphdef, params)(x)
+
+    y_jax, _ = pure(params, x[:, :5])
+    assert ratio(y_eager, y_jax) <= 1e-6
+
+
+def test_param_dtypes_and_bf16_compute():
+    layer = GatedDeltaNet2(D_MODEL, head_dim=HEAD_DIM, num_heads=H, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                           rngs=nnx.Rngs(0))
+    dtypes = {jnp.dtype(p.dtype) for p in jax.tree.leaves(nnx.state(layer, nnx.Param))}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    cache = layer.init_cache(2)
+    assert cache.recurrent_state.dtype == jnp.float32 and cache.conv_state[0].dtype == jnp.bfloat16
+    # bf16 compute agrees with the float32 layer holding the same (bf16-representable) weights
+    ref_layer = make_layer(0, randomize=False)
+    load_fla_state_dict(ref_layer, to_fla_state_dict(layer, dtype=np.float32))
+    sd = to_fla_state_dict(make_layer(22), dtype=np.float32)
+    sd = {k: np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32)) for k, v in sd.items()}
+    load_fla_state_dict(layer, sd)
+    load_fla_state_dict(ref_layer, sd)
+    x = rand_x(23, 2, 10)
+    y16, c16 = layer(x.astype(jnp.bfloat16), cache=cache, deterministic=True)
+    y32, c32 = ref_layer(x, deterministic=True)
+    assert y16.dtype == jnp.bfloat16 and c16.recurrent_state.dtype == jnp.float32
+    assert c16.conv_state[2].dtype == jnp.bfloat16
+    assert ratio(y32, y16) <= 2e-2
+    assert ratio(c32.recurrent_state, c16.recurrent_state) <= 2e-2
+
+
+def test_initialisation_follows_reference():
+    layer = GatedDeltaNet2(64, head_dim=16, num_heads=4, rngs=nnx.Rngs(3))
+    a = np.exp(np.asarray(layer.A_log[...]))
+    assert a.min() >= 1.0 and a.max() <= 16.0 and a.std() > 1.0
+    dt = np.asarray(jax.nn.softplus(layer.dt_bias[...]))
+    assert dt.min() >= 1e-3 * (1 - 1e-4) and dt.max() <= 1e-1 * (1 + 1e-4)
+    assert np.log(dt).std() > 0.5  # log-uniform over two decades, not a constant
+    kq = np.asarray(layer.q_proj.kernel[...])  # Xavier-uniform, gain 2**-2.5: U(-l, l)
+    limit = 2 ** -2.5 * math.sqrt(6 / (64 + 64))
+    assert np.abs(kq).max() <= limit and np.abs(kq).max() > 0.9 * limit
+    assert abs(kq.std() - limit / math.sqrt(3)) < 0.1 * limit
+    kc = np.asarray(layer.q_conv1d.kernel[...])  # PyTorch Conv1d default: U(-1/sqrt(W), 1/sqrt(W))
+    assert np.abs(kc).max() <= 0.5 and np.abs(kc).max() > 0.45
+    assert np.all(np.asarray(layer.g_proj.layers[1].bias[...]) == 0)
+    assert np.all(np.asarray(layer.o_norm.scale[...]) == 1)
+
+
+def test_fla_state_dict_keys_shapes_and_roundtrip():
+    layer = make_layer(24, num_v_heads=2 * H, expand_v=2.0)
+    sd = to_fla_state_dict(layer)
+    d, Dk, V = D_MODEL, H * HEAD_DIM, 2 * HEAD_DIM
+    Dv = 2 * H * V
+    expect = {
+        "A_log": (H,), "dt_bias": (Dk,), "q_proj.weight": (Dk, d), "k_proj.weight": (Dk, d),
+        "v_proj.weight": (Dv, d), "q_conv1d.weight": (Dk, 1, 4), "k_conv1d.weight": (Dk, 1, 4),
+        "v_conv1d.weight": (Dv, 1, 4), "f_proj.0.weight": (V, d), "f_proj.1.weight": (Dk, V),
+        "b_proj.weight": (Dk, d), "w_proj.weight": (Dv, d), "g_proj.0.weight": (V, d), "g_proj.1.weight": (Dv, V),
+        "g_proj.1.bias": (Dv,), "o_norm.weight": (V,), "o_proj.weight": (d, Dv),
+    }
+    assert {k: v.shape for k, v in sd.items()} == expect
+    # torch layouts: Linear weight [out, in] and y = x @ W.T; conv weight [D, 1, W] with the newest tap last
+    x = rand_x(25, 1, 1)
+    np.testing.assert_allclose(np.asarray(layer.q_proj(x))[0, 0], np.asarray(x)[0, 0] @ sd["q_proj.weight"].T,
+                               rtol=1e-5, atol=1e-6)
+    y, _ = layer.q_conv1d(jnp.ones((1, 1, Dk), jnp.float32))
+    np.testing.assert_allclose(np.asarray(y)[0, 0], np.asarray(jax.nn.silu(sd["q_conv1d.weight"][:, 0, -1])),
+                               rtol=1e-5)
+    back = from_fla_state_dict(sd, rngs=nnx.Rngs(99))
+    assert back.gate_activation == "sigmoid" and back.num_v_heads == 2 * H and back.head_v_dim == V
+    for a, b in zip(jax.tree.leaves(nnx.state(layer, nnx.Param)), jax.tree.leaves(nnx.state(back, nnx.Param))):
+        assert a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
+    assert all(np.array_equal(sd[k], v) for k, v in to_fla_state_dict(back).items())
+    c = layer.init_cache(3)
+    c = jax.tree.map(lambda z: z + jnp.asarray(np.random.default_rng(0).standard_normal(z.shape), z.dtype), c)
+    c2 = cache_from_fla(cache_to_fla(c))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(c), jax.tree.leaves(c2)))
+
+
+def test_bad_inputs_raise_clear_errors():
+    layer = make_layer(26, randomize=False)
+    x = rand_x(27, 2, 5)
+    with pytest.raises(ValueError, match="attention_mask"):
+        layer(x, attention_mask=jnp.ones((2, 4), bool))
+    with pytest.raises(ValueError, match="not both"):
+        layer(x[:1], attention_mask=jnp.ones((1, 5), bool), cu_seqlens=jnp.array([0, 5]))
+    with pytest.raises(ValueError, match="cache"):
+        layer(x, cache=layer.init_cache(3))
+    with pytest.raises(ValueError, match="x"):
+        layer(x[..., :-1])
+    sd = to_fla_state_dict(layer)
+    sd.pop("A_log")
+    with pytest.raises(ValueError, match="A_log"):
+        load_fla_state_dict(layer, sd)
+    sd = to_fla_state_dict(layer)
+    sd["o_proj.weight"] = sd["o_proj.weight"].T
+    with pytest.raises(ValueError, match="o_proj.weight"):
+        load_fla_state_dict(layer, sd)
+    with pytest.raises(ValueError, match="num_v_heads"):
+        GatedDeltaNet2(16, head_dim=8, num_heads=2, num_v_heads=3, rngs=nnx.Rngs(0))
+
+
+def test_sharding_metadata_on_parameters():
+    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        layer = GatedDeltaNet2(D_MODEL, head_dim=HEAD_DIM, num_heads=H, sharding=("data", "model"),
+                               rngs=nnx.Rngs(0))
+        meta = {k: v.get_metadata().get("out_sharding") for k, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+        y, _ = nnx.jit(lambda m, x: m(x))(layer, rand_x(28, 1, 3))
+    assert meta[("q_proj", "kernel")] == ("data", "model")
+    assert meta[("o_proj", "kernel")] == ("model", "data")
+    assert meta[("f_proj", "layers", 0, "kernel")] == ("data", None)
+    assert meta[("g_proj", "layers", 1, "bias")] == ("model",)
+    assert meta[("v_conv1d", "kernel")] == (None, "model")
+    assert meta[("A_log",)] == ("model",)
+    assert np.all(np.isfinite(np.asarray(y)))
