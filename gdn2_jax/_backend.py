@@ -29,15 +29,43 @@ def tilelang_supported_device() -> bool:
 
 def tilelang_available(op: str) -> bool:
     """Whether the TileLang kernels of ``op`` exist and can run here."""
-    from . import _tilelang_ops  # noqa: F401  (kernels registered per op as they are implemented)
+    return tilelang_unavailable_reason(op) is None
 
-    return op in _tilelang_ops.IMPLEMENTED and cuda_extra_installed() and tilelang_supported_device()
+
+def check_backend(backend: str, op: str) -> None:
+    """Raise ``TypeError`` / ``ValueError`` naming ``backend`` unless it is one of :data:`BACKENDS`."""
+    if not isinstance(backend, str):
+        raise TypeError(f"{op}: `backend` must be a str, one of {BACKENDS}, got {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: `backend` must be one of {BACKENDS}, got {backend!r}")
+
+
+def tilelang_unavailable_reason(op: str) -> str | None:
+    """Why the TileLang path of ``op`` cannot run here, or None when it can."""
+    from . import _tilelang_ops
+
+    if op not in _tilelang_ops.IMPLEMENTED:
+        return "its TileLang kernels are not implemented yet"
+    if not cuda_extra_installed():
+        return "the `cuda` extra (tilelang, apache-tvm-ffi, jax-tvm-ffi) is not installed"
+    if not tilelang_supported_device():
+        return "JAX's default device is not an NVIDIA Hopper (sm_90) GPU"
+    return None
 
 
 def resolve(backend: str, op: str) -> str:
-    """Map the user's ``backend`` argument to ``"xla"`` or ``"tilelang"``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{op}: `backend` must be one of {BACKENDS}, got {backend!r}")
+    """Map the user's ``backend`` argument to ``"xla"`` or ``"tilelang"``.
+
+    Raises ``NotImplementedError`` for ``backend="tilelang"`` where the kernels cannot run (no kernels for
+    ``op`` yet, no cuda extra, or no supported GPU), before anything is staged.
+    """
+    check_backend(backend, op)
     if backend == "auto":
         return "tilelang" if tilelang_available(op) else "xla"
+    if backend == "tilelang":
+        why = tilelang_unavailable_reason(op)
+        if why is not None:
+            raise NotImplementedError(
+                f"{op}: backend='tilelang' cannot run here: {why}; use backend='xla' (or 'auto')"
+            )
     return backend

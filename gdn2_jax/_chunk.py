@@ -303,7 +303,7 @@ def _chunked(core, q, k, v, g, b, w, dims: Dims, initial_state, cu_seqlens, outp
     from .reference import prepare_qk
 
     cdt = dims.compute_dtype
-    out_dtype = q.dtype
+    out_dtype = jax.dtypes.canonicalize_dtype(q.dtype)  # numpy float64 without x64 -> float32
     q, k = prepare_qk(q, k, dims, use_qk_l2norm_in_kernel)
     h0 = (jnp.zeros((dims.N, dims.HV, dims.K, dims.V), cdt) if initial_state is None
           else jnp.asarray(initial_state).astype(cdt))

@@ -1,7 +1,8 @@
 """Argument checks shared by every GDN-2 entry point.
 
 Every check here runs in Python at trace time, before any computation is staged, and raises a
-``ValueError`` or ``TypeError`` whose message names the offending argument.
+``ValueError`` or ``TypeError`` whose message names the offending argument. The only check that looks
+at values is the NaN/inf test of *concrete* gates (numpy on the host; one reduction for jax arrays).
 """
 
 from __future__ import annotations
@@ -29,13 +30,17 @@ class Dims:
     V: int
     N: int  # number of sequences (B, or len(cu_seqlens) - 1)
     scale: float
-    compute_dtype: Any  # jnp.float32, or jnp.float64 when any input is float64
+    compute_dtype: Any  # jnp.float32, or jnp.float64 when any input is float64 and x64 is enabled
     varlen: bool
 
     @property
     def group(self) -> int:
         """Value heads per query/key head (HV // H)."""
         return self.HV // self.H
+
+
+_LAYOUT = dict(q="[B, T, H, K]", k="[B, T, H, K]", v="[B, T, HV, V]", w="[B, T, HV, V]",
+               g="[B, T, HV, K]", b="[B, T, HV, K]")
 
 
 def _is_float(x) -> bool:
@@ -64,15 +69,18 @@ def check_inputs(
     """Validate the arguments of ``chunk_gdn2`` / ``fused_recurrent_gdn2`` and friends.
 
     Returns the static :class:`Dims`. Raises ``TypeError`` for wrong dtypes or non-array inputs and
-    ``ValueError`` for wrong shapes or values; every message starts with ``fn`` and names the argument.
+    ``ValueError`` for wrong shapes or values (including NaN/inf in concrete g, b, w, and concrete
+    ``cu_seqlens`` that do not run from 0 to T without decreasing); every message starts with ``fn`` and
+    names the argument.
     """
     named = dict(q=q, k=k, v=v, g=g, b=b, w=w)
     for name, x in named.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{fn}: `{name}` must be an array, got {type(x).__name__}")
-        if x.ndim != 4:
+        if len(x.shape) != 4:
             raise ValueError(
-                f"{fn}: `{name}` must be 4-D [B, T, heads, dim], got shape {tuple(x.shape)}"
+                f"{fn}: `{name}` must be 4-D {_LAYOUT[name]}, got shape {tuple(x.shape)} "
+                f"({len(x.shape)}-D)"
             )
         if not _is_float(x):
             raise TypeError(
@@ -109,22 +117,18 @@ def check_inputs(
 
     use_f64 = any(np.dtype(x.dtype) == np.float64 for x in named.values())
 
-    if scale is None:
-        scale = K ** -0.5
-    else:
-        if isinstance(scale, jax.core.Tracer) or hasattr(scale, "shape") and getattr(scale, "ndim", 0) > 0:
-            raise TypeError(f"{fn}: `scale` must be a Python float, got {type(scale).__name__}")
-        try:
-            scale = float(scale)
-        except (TypeError, ValueError):
-            raise TypeError(f"{fn}: `scale` must be a Python float, got {scale!r}") from None
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"{fn}: `scale` must be a finite number > 0, got {scale}")
+    scale = _check_scale(fn, scale, K)
 
     varlen = cu_seqlens is not None
     if varlen:
-        if not hasattr(cu_seqlens, "shape") or cu_seqlens.ndim != 1:
-            raise ValueError(f"{fn}: `cu_seqlens` must be a 1-D integer array [N + 1]")
+        if not hasattr(cu_seqlens, "shape") or not hasattr(cu_seqlens, "dtype"):
+            raise TypeError(
+                f"{fn}: `cu_seqlens` must be a 1-D integer array [N + 1], got {type(cu_seqlens).__name__}"
+            )
+        if len(cu_seqlens.shape) != 1:
+            raise ValueError(
+                f"{fn}: `cu_seqlens` must be 1-D [N + 1], got shape {tuple(cu_seqlens.shape)}"
+            )
         if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
             raise TypeError(f"{fn}: `cu_seqlens` must have an integer dtype, got {cu_seqlens.dtype}")
         if cu_seqlens.shape[0] < 2:
@@ -146,7 +150,7 @@ def check_inputs(
         N = B
 
     if initial_state is not None:
-        if not hasattr(initial_state, "shape"):
+        if not hasattr(initial_state, "shape") or not hasattr(initial_state, "dtype"):
             raise TypeError(f"{fn}: `initial_state` must be an array, got {type(initial_state).__name__}")
         if tuple(initial_state.shape) != (N, HV, K, V):
             raise ValueError(
@@ -168,14 +172,48 @@ def check_inputs(
             f"{fn}: `use_qk_l2norm_in_kernel` must be a Python bool, got {type(use_qk_l2norm_in_kernel).__name__}"
         )
 
+    check_finite_gates(fn, g, b, w)
+
     return Dims(
         B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, scale=scale,
-        compute_dtype=jnp.float64 if use_f64 else jnp.float32, varlen=varlen,
+        # float64 math only where JAX has float64 (x64); numpy float64 input otherwise computes in float32
+        compute_dtype=jnp.float64 if use_f64 and jax.config.jax_enable_x64 else jnp.float32, varlen=varlen,
     )
 
 
+def _check_scale(fn: str, scale, K: int) -> float:
+    """``scale`` as a Python float (default ``K ** -0.5``); must be a real number, finite and > 0."""
+    if scale is None:
+        return K ** -0.5
+    if isinstance(scale, jax.core.Tracer):
+        raise TypeError(f"{fn}: `scale` must be a static Python float, got a traced value")
+    is_real_array = (hasattr(scale, "dtype") and getattr(scale, "shape", None) == ()
+                     and (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)))
+    if isinstance(scale, (bool, np.bool_)) or not (isinstance(scale, (int, float, np.integer, np.floating))
+                                                  or is_real_array):
+        raise TypeError(f"{fn}: `scale` must be a Python float, got {type(scale).__name__} {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{fn}: `scale` must be a finite number > 0, got {scale}")
+    return scale
+
+
 def check_finite_gates(fn: str, g, b, w) -> None:
-    """Raise ``ValueError`` if a *concrete* gate holds NaN/inf. Traced gates are not inspected."""
+    """Raise ``ValueError`` if a *concrete* gate holds NaN/inf. Traced gates are not inspected.
+
+    numpy gates are checked on the host (no device transfer); concrete jax arrays by a reduction where
+    they live. Called by :func:`check_inputs`.
+    """
     for name, x in (("g", g), ("b", b), ("w", w)):
-        if _is_concrete(x) and not bool(jnp.all(jnp.isfinite(x))):
+        if not _is_concrete(x) or not hasattr(x, "dtype"):
+            continue
+        if isinstance(x, np.ndarray):
+            ok = bool(np.isfinite(x).all())
+        elif isinstance(x, jax.Array):
+            # A concrete array closed over inside a jit trace would otherwise stage the reduction.
+            with jax.ensure_compile_time_eval():
+                ok = bool(jnp.all(jnp.isfinite(x)))
+        else:  # e.g. jax.ShapeDtypeStruct: nothing to inspect
+            continue
+        if not ok:
             raise ValueError(f"{fn}: `{name}` contains NaN or inf")

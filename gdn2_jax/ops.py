@@ -11,10 +11,23 @@ from __future__ import annotations
 import jax
 
 from . import _backend, _tilelang_ops
-from ._validation import check_finite_gates, check_inputs
+from ._validation import check_inputs
 from .reference import recurrent_forward
 
 __all__ = ["chunk_gdn2", "fused_recurrent_gdn2"]
+
+
+def _pick_backend(backend, fn, q, k, v, g, b, w, dims, initial_state) -> str:
+    """Resolve ``backend``; ``"auto"`` falls back to xla when the kernels cannot take these inputs
+    (e.g. float32 inputs or an unsupported head dim), instead of raising the kernels' error."""
+    be = _backend.resolve(backend, fn)
+    if be == "tilelang" and backend == "auto":
+        try:
+            _tilelang_ops._check_supported(fn, q, k, v, g, b, w, dims, initial_state)
+        except (TypeError, ValueError):
+            return "xla"
+    return be
+
 
 _DOC_ARGS = """
     Args:
@@ -32,7 +45,8 @@ _DOC_ARGS = """
       cu_seqlens: ``[N + 1]`` int32/int64 offsets of sequences packed along T (requires B == 1). Each sequence
         starts from ``initial_state[n]`` (or zero); zero-length sequences are allowed.
       backend: ``"xla"`` (pure jnp, any device, differentiable), ``"tilelang"`` (TileLang kernels on NVIDIA
-        Hopper GPUs), or ``"auto"`` (tilelang where it is available, else xla).
+        Hopper GPUs), or ``"auto"`` (tilelang where it is available and supports the inputs' dtypes and head
+        dims, else xla).
 
     Returns:
       ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[N, HV, K, V]`` float32 (float64
@@ -67,11 +81,11 @@ def chunk_gdn2(
     ``jax.checkpoint``.
     """
     fn = "chunk_gdn2"
-    be = _backend.resolve(backend, fn)
+    _backend.check_backend(backend, fn)
     dims = check_inputs(fn, q, k, v, g, b, w, scale=scale, initial_state=initial_state,
                         cu_seqlens=cu_seqlens, output_final_state=output_final_state,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    check_finite_gates(fn, g, b, w)
+    be = _pick_backend(backend, fn, q, k, v, g, b, w, dims, initial_state)
     if be == "tilelang":
         return _tilelang_ops.chunk_gdn2(q, k, v, g, b, w, dims=dims, initial_state=initial_state,
                                         output_final_state=output_final_state,
@@ -105,11 +119,11 @@ def fused_recurrent_gdn2(
     ``w`` is keyword-only. The xla backend is differentiable (autodiff through the token loop).
     """
     fn = "fused_recurrent_gdn2"
-    be = _backend.resolve(backend, fn)
+    _backend.check_backend(backend, fn)
     dims = check_inputs(fn, q, k, v, g, b, w, scale=scale, initial_state=initial_state,
                         cu_seqlens=cu_seqlens, output_final_state=output_final_state,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    check_finite_gates(fn, g, b, w)
+    be = _pick_backend(backend, fn, q, k, v, g, b, w, dims, initial_state)
     if be == "tilelang":
         return _tilelang_ops.fused_recurrent_gdn2(q, k, v, g, b, w, dims=dims, initial_state=initial_state,
                                                   output_final_state=output_final_state,

@@ -1,0 +1,520 @@
+"""Chunked prefill forward of GDN-2 (chunk C = 64) as two TileLang kernels.
+
+Math (spec §5, Gated DeltaNet-2, arXiv:2605.22791 eqs. 18-25; FLA ``fla/ops/gdn2``). Per chunk of C = 64 rows
+with within-chunk cumulative log-decay ``G_r = sum_{i<=r} g_i`` (fp32, base 2 internally)::
+
+    Aqk_rs = scale * sum_d q_rd k_sd exp(G_rd - G_sd)              s <= r
+    T_rs   =         sum_d b_rd k_rd k_sd exp(G_rd - G_sd)         s <  r
+    A = (I + T)^-1,  Y = A (b*k*exp(G)),  U = A (w*v)
+    R = U - Y S0,    O = scale (q*exp(G)) S0 + Aqk R,    S1 = exp(G_C) * S0 + (k*exp(G_C - G))^T R
+
+Launch 1 ``gdn2_chunk_intra`` (grid: chunk slots x value heads, fully parallel; 256 threads, two blocks per SM,
+the channel axis walked in slices of 32) computes the cumulative decay, ``Aqk`` and ``T``, the solve, and stores ``Aqk``, ``Y``, ``U``, ``QG = scale*q*exp(G)``, ``KG = k*exp(G_C - G)``
+(input dtype) and ``GAM = exp(G_C)`` (fp32). Exponents are only evaluated where they are <= 0:
+
+* off-diagonal 16x16 blocks of Aqk / T use TF32 tensor-core products anchored at the first row n of the row
+  sub-chunk: ``(q_r exp(G_r - G_n)) . (k_s exp(G_n - G_s))`` with r >= n > s;
+* diagonal 16x16 blocks are exact fp32 sums over channels; a thread owns one column s and a group of rows r0..:
+  ``exp(G_r0 - G_s)`` (clamped at 0 where r0 < s, those entries are masked), then running products with the
+  per-token factors ``exp(g_r)`` <= 1 for the next rows;
+* ``(I+T)^-1``: the four diagonal 16x16 blocks by fp32 forward substitution (D), then
+  ``A = (I - N + N^2 - N^3) D`` with ``N = D T_off`` (strictly block-lower, N^4 = 0), TF32 products.
+
+Launch 2 ``gdn2_chunk_state_o`` (grid: sequences x V-blocks x value heads) walks the chunks of one sequence with
+the state slice ``S[K, BV]`` in fp32 registers and writes the output of every chunk (FLA's h and o kernels fused:
+per-chunk states never reach HBM), then the final state.
+
+GVA: value head j reads q/k head j // (HV/H) inside launch 1 (never materialised). Varlen: chunks are aligned
+to each sequence start; chunk slot of (sequence n, chunk j) is ``n + cu[n] // 64 + j`` (< T // 64 + N), found by
+launch 1 with a binary search over ``cu_seqlens`` on the device. Token offsets are int64. Never imports jax.
+
+Precision (bf16 inputs, fp64 oracle, spec §11 inputs): o RMS ratio 3.15e-3, final state 2.41e-3, the same as FLA
+0.6.0 on the same inputs (measured on an H200; see docs/performance-notes.md, "chunk prefill").
+"""
+
+import math
+
+from ._common import drop_params
+from ._pipeline import Buf, Launch, Pipeline
+
+__all__ = ["chunk_fwd_pipeline", "SUPPORTED_K", "SUPPORTED_V", "CHUNK", "num_chunk_slots"]
+
+CHUNK = 64
+SUB = 16
+SUPPORTED_K = (64, 128)
+SUPPORTED_V = (64, 128)
+LOG2E = 1.4426950408889634
+L2NORM_EPS = 1e-6
+_DT = ("bfloat16", "float16")
+_GDT = ("float32", "bfloat16")
+_VERSION = 4  # bump when the generated code changes in a way the source hash would not see
+
+
+def num_chunk_slots(T: int, N: int, varlen: bool) -> int:
+    """Chunk slots per batch row: ceil(T/64) dense, T // 64 + N (an upper bound) varlen."""
+    return T // CHUNK + N if varlen else -(-T // CHUNK)
+
+
+def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
+    """Buffer types of both launches (every optional buffer included; ``drop_params`` removes unused ones).
+
+    Dense: batch B = number of sequences N. Varlen: B == 1, N = NP1 - 1 sequences (``cu_seqlens`` int32 [NP1]).
+    """
+    import tilelang.language as T
+
+    C = CHUNK
+    B = T.dynamic("B")
+    Tn = T.dynamic("T")
+    NT = T.dynamic("NT")
+    NP1 = T.dynamic("NP1")
+    N = T.dynamic("N") if varlen else B
+    f32 = "float32"
+    sig = dict(
+        q=T.Tensor((B, Tn, H, K), dtype), k=T.Tensor((B, Tn, H, K), dtype), v=T.Tensor((B, Tn, HV, V), dtype),
+        g=T.Tensor((B, Tn, HV, K), g_dtype), b=T.Tensor((B, Tn, HV, K), dtype), w=T.Tensor((B, Tn, HV, V), dtype),
+        h0=T.Tensor((N, HV, K, V), f32), cu_seqlens=T.Tensor((NP1,), "int32"),
+        Aqk=T.Tensor((B, Tn, HV, C), dtype), Y=T.Tensor((B, Tn, HV, K), dtype), U=T.Tensor((B, Tn, HV, V), dtype),
+        QG=T.Tensor((B, Tn, HV, K), dtype), KG=T.Tensor((B, Tn, HV, K), dtype), GAM=T.Tensor((B, NT, HV, K), f32),
+        o=T.Tensor((B, Tn, HV, V), dtype), ht=T.Tensor((N, HV, K, V), f32),
+    )
+    return sig, dict(B=B, T=Tn, NT=NT, NP1=NP1, N=N)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launch 1: intra-chunk (cumsum, Aqk, T, solve, WY auxiliaries)
+# ----------------------------------------------------------------------------------------------------------------
+def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks):
+    """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
+
+    The channel (d) axis is walked in slices of DC = 32 so that shared memory (about 83 KB for K = V = 128) and
+    registers allow two 256-thread blocks per SM. Per slice: load g, q, k (optionally L2-normalised), b*k; the
+    within-chunk cumulative sum of the slice (segment prefix, then segment offsets); store QG, KG, GAM for the slice
+    and keep ``b*k*exp(G)`` (input dtype) for the Y product; accumulate the off-diagonal 16x16 blocks of Aqk and T
+    (TF32 products anchored at the row sub-chunk's first row, one register accumulator per row sub-chunk) and the
+    exact diagonal blocks (thread = block, column s, group of rows; the first row's decay ``exp(G_r0 - G_s)`` once
+    per channel, then running products of ``exp(g)``). Then: store Aqk; invert the diagonal 16x16 blocks of I + T
+    by forward substitution; ``A = (I - N + N^2 - N^3) D`` with TF32 products; ``Y = A (b k exp(G))`` and
+    ``U = A (w v)`` with bf16/fp16 tensor-core products.
+    """
+    import tilelang.language as T
+
+    C, BC = CHUNK, SUB
+    NB = C // BC
+    TH = threads
+    grp = HV // H
+    acc = "float32"
+    DC = 32                     # channel slice
+    NDC = K // DC
+    RG = TH // (NB * BC)
+    RPG = BC // RG
+    NSEG = TH // DC
+    SEG = C // NSEG
+    PADB = 8                    # row padding of SIMT-read tiles against bank conflicts (16 bytes)
+    PADF = 4
+    scale = float(scale)
+
+    sig, dims = _signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, varlen=varlen)
+    B, Tn, NT, NP1 = dims["B"], dims["T"], dims["NT"], dims["NP1"]
+
+    @T.macro
+    def offdiag3(QE1, QE2, QE3, Kc1, Kc2, Kc3, Acc1, Acc2, Acc3, Gc, qc, kc, bkc):
+        # rows [n, n+BC) x columns [0, n), n = ib*BC: (q_r 2^(G_r-G_n)) . (k_s 2^(G_n-G_s)), ib = 1, 2, 3
+        for r, d in T.Parallel(2 * BC, DC):
+            QE1[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[BC + r % BC, d], acc), bkc[BC + r % BC, d]) * \
+                T.exp2(Gc[BC + r % BC, d] - Gc[BC, d])
+            QE2[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[2 * BC + r % BC, d], acc),
+                                       bkc[2 * BC + r % BC, d]) * T.exp2(Gc[2 * BC + r % BC, d] - Gc[2 * BC, d])
+            QE3[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[3 * BC + r % BC, d], acc),
+                                       bkc[3 * BC + r % BC, d]) * T.exp2(Gc[3 * BC + r % BC, d] - Gc[3 * BC, d])
+        for s_, d in T.Parallel(C, DC):
+            Kc3[s_, d] = T.if_then_else(
+                s_ < 3 * BC, T.cast(kc[s_, d], acc) * T.exp2(T.min(Gc[3 * BC, d] - Gc[s_, d], 0.0)), 0.0)
+            if s_ < 2 * BC:
+                Kc2[s_, d] = T.cast(kc[s_, d], acc) * T.exp2(T.min(Gc[2 * BC, d] - Gc[s_, d], 0.0))
+                Kc1[s_, d] = T.if_then_else(
+                    s_ < BC, T.cast(kc[s_, d], acc) * T.exp2(T.min(Gc[BC, d] - Gc[s_, d], 0.0)), 0.0)
+        T.gemm(QE1, Kc1, Acc1, transpose_B=True)
+        T.gemm(QE2, Kc2, Acc2, transpose_B=True)
+        T.gemm(QE3, Kc3, Acc3, transpose_B=True)
+
+    @T.macro
+    def offdiag_store(ib, Acc, Qk, Tm):
+        for r, c in T.Parallel(2 * BC, ib * BC):
+            if r < BC:
+                Qk[ib * BC + r, c] = Acc[r, c]
+            else:
+                Tm[ib * BC + r - BC, c] = Acc[r, c]
+
+    @T.prim_func
+    def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"],
+             cu_seqlens: sig["cu_seqlens"], Aqk: sig["Aqk"], Y: sig["Y"], U: sig["U"], QG: sig["QG"], KG: sig["KG"],
+             GAM: sig["GAM"]):
+        with T.Kernel(NT * B, HV, threads=TH) as (bx, hv):
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
+            tx = T.get_thread_binding()
+            hq = hv // grp
+
+            Gc = T.alloc_shared((C, DC + PADF), acc)
+            Ec = T.alloc_shared((C, DC + PADF), acc)
+            qc = T.alloc_shared((C, DC + PADB), dtype)
+            kc = T.alloc_shared((C, DC + PADB), dtype)
+            bkc = T.alloc_shared((C, DC + PADF), acc)
+            tot = T.alloc_shared((NSEG, DC), acc)
+            nq = T.alloc_shared((C,), acc)
+            nk = T.alloc_shared((C,), acc)
+            QE1 = T.alloc_shared((2 * BC, DC), acc)
+            QE2 = T.alloc_shared((2 * BC, DC), acc)
+            QE3 = T.alloc_shared((2 * BC, DC), acc)
+            Kc1 = T.alloc_shared((2 * BC, DC), acc)  # rows >= 16 are zero: 8 warps need a 32-wide product
+            Kc2 = T.alloc_shared((2 * BC, DC), acc)
+            Kc3 = T.alloc_shared((4 * BC, DC), acc)
+            Acc1 = T.alloc_fragment((2 * BC, 2 * BC), acc)
+            Acc2 = T.alloc_fragment((2 * BC, 2 * BC), acc)
+            Acc3 = T.alloc_fragment((2 * BC, 4 * BC), acc)
+            Ebs = T.alloc_shared((C, K), dtype)
+            Qk = T.alloc_shared((C, C), acc)
+            Tm = T.alloc_shared((C, C), acc)
+            Ds = T.alloc_shared((C, C), acc)
+            Ns = T.alloc_shared((C, C), acc)
+            N2s = T.alloc_shared((C, C), acc)
+            Nf = T.alloc_fragment((C, C), acc)
+            As = T.alloc_shared((C, C), dtype)
+            Zs = T.alloc_shared((C, V), dtype)
+            Yf = T.alloc_fragment((C, K), acc)
+            Uf = T.alloc_fragment((C, V), acc)
+            kk = T.alloc_local((DC,), acc)
+            gm = T.alloc_local((DC,), acc)
+            aq = T.alloc_local((RPG,), acc)
+            at = T.alloc_local((RPG,), acc)
+            xc = T.alloc_local((BC,), acc)
+            csum = T.alloc_var(acc)
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+
+            if varlen:
+                lo = 0
+                hi = NP1 - 2
+                for _it in T.serial(32):
+                    if lo < hi:
+                        if (lo + hi + 1) // 2 + cu_seqlens[(lo + hi + 1) // 2] // C <= bx:
+                            lo = (lo + hi + 1) // 2
+                        else:
+                            hi = (lo + hi + 1) // 2 - 1
+                bb = 0
+                slot = bx
+                t0 = T.cast(cu_seqlens[lo], "int64") + T.cast(bx - lo - cu_seqlens[lo] // C, "int64") * C
+                valid = T.min(T.cast(T.cast(cu_seqlens[lo + 1], "int64") - t0, "int32"), C)
+            else:
+                bb = bx // NT
+                slot = bx % NT
+                t0 = T.cast(slot, "int64") * C
+                valid = T.min(Tn - slot * C, C)
+
+            if valid > 0:
+                if l2norm:
+                    # 1 / ||x|| per row for q (threads 0..63) and k (threads 64..127)
+                    if tx < 2 * C:
+                        csum = 0.0
+                        for d in T.serial(K):
+                            if tx < C:
+                                if tx < valid:
+                                    csum = csum + T.cast(q[bb, t0 + tx, hq, d], acc) * T.cast(q[bb, t0 + tx, hq, d], acc)
+                            else:
+                                if tx - C < valid:
+                                    csum = csum + T.cast(k[bb, t0 + tx - C, hq, d], acc) * T.cast(
+                                        k[bb, t0 + tx - C, hq, d], acc)
+                        if tx < C:
+                            nq[tx] = T.rsqrt(csum + L2NORM_EPS)
+                        else:
+                            nk[tx - C] = T.rsqrt(csum + L2NORM_EPS)
+                T.clear(Acc1)
+                T.clear(Acc2)
+                T.clear(Acc3)
+                for i in T.unroll(RPG):
+                    aq[i] = 0.0
+                    at[i] = 0.0
+                for dc in T.serial(NDC):
+                    # ---- load the channel slice (rows >= valid are zero) ----
+                    for r, d in T.Parallel(C, DC):
+                        Gc[r, d] = T.if_then_else(r < valid, T.cast(g[bb, t0 + r, hv, dc * DC + d], acc), 0.0) * LOG2E
+                        Ec[r, d] = T.exp2(T.if_then_else(
+                            r < valid, T.cast(g[bb, t0 + r, hv, dc * DC + d], acc), 0.0) * LOG2E)
+                        if l2norm:
+                            qc[r, d] = T.if_then_else(
+                                r < valid, T.cast(T.cast(q[bb, t0 + r, hq, dc * DC + d], acc) * nq[r], dtype),
+                                T.cast(0, dtype))
+                            kc[r, d] = T.if_then_else(
+                                r < valid, T.cast(T.cast(k[bb, t0 + r, hq, dc * DC + d], acc) * nk[r], dtype),
+                                T.cast(0, dtype))
+                            bkc[r, d] = T.if_then_else(
+                                r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(T.cast(
+                                    T.cast(k[bb, t0 + r, hq, dc * DC + d], acc) * nk[r], dtype), acc), 0.0)
+                        else:
+                            qc[r, d] = T.if_then_else(r < valid, q[bb, t0 + r, hq, dc * DC + d], T.cast(0, dtype))
+                            kc[r, d] = T.if_then_else(r < valid, k[bb, t0 + r, hq, dc * DC + d], T.cast(0, dtype))
+                            bkc[r, d] = T.if_then_else(
+                                r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(
+                                    k[bb, t0 + r, hq, dc * DC + d], acc), 0.0)
+                    # ---- cumulative sum of the slice: segment prefix, then segment offsets ----
+                    csum = 0.0
+                    for r in T.serial(SEG):
+                        csum = csum + Gc[(tx // DC) * SEG + r, tx % DC]
+                        Gc[(tx // DC) * SEG + r, tx % DC] = csum
+                    tot[tx // DC, tx % DC] = csum
+                    csum = 0.0
+                    for sg in T.serial(NSEG - 1):
+                        if sg < tx // DC:
+                            csum = csum + tot[sg, tx % DC]
+                    for r in T.serial(SEG):
+                        Gc[(tx // DC) * SEG + r, tx % DC] = Gc[(tx // DC) * SEG + r, tx % DC] + csum
+                    # ---- per-slice outputs: QG, KG, GAM, and b*k*exp(G) for Y ----
+                    for r, d in T.Parallel(C, DC):
+                        Ebs[r, dc * DC + d] = T.cast(bkc[r, d] * T.exp2(Gc[r, d]), dtype)
+                        if r < valid:
+                            QG[bb, t0 + r, hv, dc * DC + d] = T.cast(
+                                scale * T.cast(qc[r, d], acc) * T.exp2(Gc[r, d]), dtype)
+                            KG[bb, t0 + r, hv, dc * DC + d] = T.cast(
+                                T.cast(kc[r, d], acc) * T.exp2(Gc[C - 1, d] - Gc[r, d]), dtype)
+                    for d in T.Parallel(DC):
+                        GAM[bb, slot, hv, dc * DC + d] = T.exp2(Gc[C - 1, d])
+                    # ---- off-diagonal blocks ----
+                    offdiag3(QE1, QE2, QE3, Kc1, Kc2, Kc3, Acc1, Acc2, Acc3, Gc, qc, kc, bkc)
+                    # ---- diagonal blocks: thread = (block, column s, group of RPG rows) ----
+                    if (tx % (BC * RG)) // BC * RPG + RPG - 1 >= tx % BC:
+                        for dd in T.unroll(DC):
+                            kk[dd] = T.cast(kc[(tx // (BC * RG)) * BC + tx % BC, dd], acc)
+                            gm[dd] = T.exp2(T.min(
+                                Gc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG, dd]
+                                - Gc[(tx // (BC * RG)) * BC + tx % BC, dd], 0.0))
+                        for i in T.unroll(RPG):
+                            for dd in T.unroll(DC):
+                                if i > 0:
+                                    gm[dd] = T.if_then_else(
+                                        (tx % (BC * RG)) // BC * RPG + i <= tx % BC, 1.0,
+                                        gm[dd] * Ec[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, dd])
+                                aq[i] = aq[i] + T.cast(
+                                    qc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, dd],
+                                    acc) * (kk[dd] * gm[dd])
+                                at[i] = at[i] + bkc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i,
+                                                    dd] * (kk[dd] * gm[dd])
+
+                # ---- assemble Aqk and T ----
+                for r, c in T.Parallel(C, C):
+                    if c // BC > r // BC:
+                        Qk[r, c] = 0.0
+                        Tm[r, c] = 0.0
+                offdiag_store(1, Acc1, Qk, Tm)
+                offdiag_store(2, Acc2, Qk, Tm)
+                offdiag_store(3, Acc3, Qk, Tm)
+                for i in T.unroll(RPG):
+                    Qk[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, (tx // (BC * RG)) * BC + tx % BC] = \
+                        T.if_then_else((tx % (BC * RG)) // BC * RPG + i >= tx % BC, aq[i] * scale, 0.0)
+                    Tm[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, (tx // (BC * RG)) * BC + tx % BC] = \
+                        T.if_then_else((tx % (BC * RG)) // BC * RPG + i > tx % BC, at[i], 0.0)
+                for r, c in T.Parallel(C, C):
+                    if r < valid:
+                        Aqk[bb, t0 + r, hv, c] = T.cast(Qk[r, c], dtype)
+
+                # ---- (I + T)^-1 ----
+                if tx < C:
+                    for i in T.unroll(BC):
+                        xc[i] = T.if_then_else(i == tx % BC, 1.0, 0.0)
+                        for j in T.unroll(BC):
+                            if j < i:
+                                xc[i] = xc[i] - Tm[(tx // BC) * BC + i, (tx // BC) * BC + j] * xc[j]
+                    for r in T.unroll(C):
+                        Ds[r, tx] = T.if_then_else(r // BC == tx // BC, xc[r % BC], 0.0)
+                for r, c in T.Parallel(C, C):
+                    Tm[r, c] = T.if_then_else(c // BC < r // BC, Tm[r, c], 0.0)
+                T.gemm(Ds, Tm, Nf, clear_accum=True)
+                T.copy(Nf, Ns)
+                T.gemm(Ns, Ns, Nf, clear_accum=True)
+                T.copy(Nf, N2s)
+                T.gemm(Ns, N2s, Nf, clear_accum=True)
+                for r, c in T.Parallel(C, C):
+                    N2s[r, c] = T.if_then_else(r == c, 1.0, 0.0) - Ns[r, c] + N2s[r, c] - Nf[r, c]
+                T.gemm(N2s, Ds, Nf, clear_accum=True)
+                T.copy(Nf, As)
+
+                # ---- WY auxiliaries ----
+                for r, e in T.Parallel(C, V):
+                    Zs[r, e] = T.cast(T.if_then_else(
+                        r < valid, T.cast(w[bb, t0 + r, hv, e], acc) * T.cast(v[bb, t0 + r, hv, e], acc), 0.0), dtype)
+                T.gemm(As, Ebs, Yf, clear_accum=True)
+                T.gemm(As, Zs, Uf, clear_accum=True)
+                for r, d in T.Parallel(C, K):
+                    if r < valid:
+                        Y[bb, t0 + r, hv, d] = T.cast(Yf[r, d], dtype)
+                for r, e in T.Parallel(C, V):
+                    if r < valid:
+                        U[bb, t0 + r, hv, e] = T.cast(Uf[r, e], dtype)
+
+    keep = {"q", "k", "v", "g", "b", "w", "Aqk", "Y", "U", "QG", "KG", "GAM"} | ({"cu_seqlens"} if varlen else set())
+    return drop_params(main, keep)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launch 2: sequential state passing + output
+# ----------------------------------------------------------------------------------------------------------------
+def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages):
+    import tilelang.language as T
+
+    C = CHUNK
+    threads = 128
+    acc = "float32"
+    NVB = V // BV
+
+    # q, k, g, b, w only fix the type signature's shared dims; launch 2 never takes them
+    sig, dims = _signature(H=1, HV=HV, K=K, V=V, dtype=dtype, g_dtype=acc, varlen=varlen)
+    B, Tn, NP1 = dims["B"], dims["T"], dims["NP1"]
+    NSEQ = NP1 - 1 if varlen else B
+
+    @T.prim_func
+    def main(Aqk: sig["Aqk"], Y: sig["Y"], U: sig["U"], QG: sig["QG"], KG: sig["KG"], GAM: sig["GAM"],
+             h0: sig["h0"], cu_seqlens: sig["cu_seqlens"], o: sig["o"], ht: sig["ht"]):
+        with T.Kernel(NSEQ * NVB, HV, threads=threads) as (bx, hv):
+            n = bx // NVB
+            v0 = (bx % NVB) * BV
+            S = T.alloc_fragment((K, BV), acc)
+            Ys = T.alloc_shared((C, K), dtype)
+            Qs = T.alloc_shared((C, K), dtype)
+            Ks = T.alloc_shared((C, K), dtype)
+            As = T.alloc_shared((C, C), dtype)
+            Us = T.alloc_shared((C, BV), dtype)
+            gs = T.alloc_shared((K,), acc)
+            Sb = T.alloc_shared((K, BV), dtype)
+            Rb = T.alloc_shared((C, BV), dtype)
+            Rf = T.alloc_fragment((C, BV), acc)
+            Of = T.alloc_fragment((C, BV), acc)
+
+            if varlen:
+                bb = 0
+                bos = T.cast(cu_seqlens[n], "int64")
+                ln = cu_seqlens[n + 1] - cu_seqlens[n]
+                sbase = n + cu_seqlens[n] // C
+            else:
+                bb = n
+                bos = T.int64(0)
+                ln = Tn
+                sbase = 0
+
+            if use_h0:
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = h0[n, hv, i, v0 + j]
+            else:
+                T.clear(S)
+
+            for j in T.Pipelined(T.ceildiv(ln, C), num_stages=stages):
+                T.copy(Y[bb, bos + j * C:bos + j * C + C, hv, :], Ys)
+                T.copy(QG[bb, bos + j * C:bos + j * C + C, hv, :], Qs)
+                T.copy(KG[bb, bos + j * C:bos + j * C + C, hv, :], Ks)
+                T.copy(Aqk[bb, bos + j * C:bos + j * C + C, hv, :], As)
+                T.copy(U[bb, bos + j * C:bos + j * C + C, hv, v0:v0 + BV], Us)
+                T.copy(GAM[bb, sbase + j, hv, :], gs)
+                T.copy(S, Sb)
+                T.gemm(Ys, Sb, Rf, clear_accum=True)
+                T.gemm(Qs, Sb, Of, clear_accum=True)
+                for r, e in T.Parallel(C, BV):
+                    Rb[r, e] = T.if_then_else(j * C + r < ln, T.cast(T.cast(Us[r, e], acc) - Rf[r, e], dtype),
+                                              T.cast(0, dtype))
+                T.gemm(As, Rb, Of)
+                for i, e in T.Parallel(K, BV):
+                    S[i, e] = S[i, e] * gs[i]
+                T.gemm(Ks, Rb, S, transpose_A=True)
+                for r, e in T.Parallel(C, BV):
+                    if j * C + r < ln:
+                        o[bb, bos + j * C + r, hv, v0 + e] = T.cast(Of[r, e], dtype)
+
+            if store_ht:
+                for i, e in T.Parallel(K, BV):
+                    ht[n, hv, i, v0 + e] = S[i, e]
+
+    keep = {"Aqk", "Y", "U", "QG", "KG", "GAM", "o"}
+    keep |= {"h0"} if use_h0 else set()
+    keep |= {"ht"} if store_ht else set()
+    keep |= {"cu_seqlens"} if varlen else set()
+    return drop_params(main, keep)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pipeline factory
+# ----------------------------------------------------------------------------------------------------------------
+def _sizes_fn(varlen: bool):
+    def sizes(shapes):
+        B, Tn = int(shapes["q"][0]), int(shapes["q"][1])
+        N = int(shapes["cu_seqlens"][0]) - 1 if varlen else B
+        return {"B": B, "T": Tn, "N": N, "NT": num_chunk_slots(Tn, N, varlen)}
+
+    return sizes
+
+
+def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
+                       use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
+                       block_v: int | None = None, stages: int = 2, intra_threads: int = 256,
+                       intra_min_blocks: int = 2) -> Pipeline:
+    """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
+
+    Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
+    float32 | bfloat16, natural-log decay), ``b [B,T,HV,K]`` (``dtype``), ``h0 [N,HV,K,V]`` fp32 when
+    ``use_initial_state``, ``cu_seqlens [N+1]`` int32 when ``varlen`` (then B == 1). Outputs ``o [B,T,HV,V]``
+    (``dtype``) and, with ``output_final_state``, ``ht [N,HV,K,V]`` fp32. K, V in {64, 128}; HV a multiple of H.
+    Scratch (input dtype unless noted): ``Aqk [B,T,HV,64]``, ``Y``, ``QG``, ``KG [B,T,HV,K]``, ``U [B,T,HV,V]``,
+    ``GAM [B,NT,HV,K]`` fp32. Tuning knobs: ``block_v`` (V-block of the state kernel; default 16 for HV < 32,
+    else 32), ``stages`` (its software-pipeline depth), ``intra_threads`` (threads of the intra-chunk kernel: 128 or
+    256) and ``intra_min_blocks`` (its blocks-per-SM hint, which caps registers). Raises ``ValueError`` for
+    unsupported configurations.
+    """
+    fn = "chunk_fwd_pipeline"
+    if dtype not in _DT:
+        raise ValueError(f"{fn}: dtype must be one of {_DT}, got {dtype!r}")
+    if g_dtype not in _GDT:
+        raise ValueError(f"{fn}: g_dtype must be one of {_GDT}, got {g_dtype!r}")
+    if H < 1 or HV < H or HV % H != 0:
+        raise ValueError(f"{fn}: HV={HV} must be a positive multiple of H={H}")
+    if K not in SUPPORTED_K or V not in SUPPORTED_V:
+        raise ValueError(f"{fn}: K={K} must be in {SUPPORTED_K} and V={V} in {SUPPORTED_V}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+    BV = min(V, 16 if HV < 32 else 32) if block_v is None else int(block_v)
+    if intra_threads not in (128, 256) or intra_min_blocks not in (1, 2, 3):
+        raise ValueError(f"{fn}: intra_threads must be 128 or 256 and intra_min_blocks 1..3, got "
+                         f"{intra_threads}, {intra_min_blocks}")
+    if BV not in (16, 32, 64, 128) or V % BV != 0:
+        raise ValueError(f"{fn}: block_v={BV} must be 16, 32, 64 or 128 and divide V={V}")
+
+    inputs = ("q", "k", "v", "g", "b", "w") + (("h0",) if use_initial_state else ()) + (
+        ("cu_seqlens",) if varlen else ())
+    scratch = (
+        Buf("Aqk", ("B", "T", HV, CHUNK), dtype),
+        Buf("Y", ("B", "T", HV, K), dtype),
+        Buf("U", ("B", "T", HV, V), dtype),
+        Buf("QG", ("B", "T", HV, K), dtype),
+        Buf("KG", ("B", "T", HV, K), dtype),
+        Buf("GAM", ("B", "NT", HV, K), "float32"),
+    )
+    outputs = (Buf("o", ("B", "T", HV, V), dtype),) + (
+        (Buf("ht", ("N", HV, K, V), "float32"),) if output_final_state else ())
+    sc = ("Aqk", "Y", "U", "QG", "KG", "GAM")
+
+    kw1 = dict(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale, varlen=bool(varlen),
+               l2norm=bool(use_qk_l2norm))
+    kw1.update(threads=int(intra_threads), min_blocks=int(intra_min_blocks))
+    intra = Launch(
+        name="gdn2_chunk_intra",
+        key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),
+        build=lambda: _intra_prim(**kw1),
+        args=("q", "k", "v", "g", "b", "w") + (("cu_seqlens",) if varlen else ()) + sc,
+    )
+    kw2 = dict(HV=HV, K=K, V=V, BV=BV, dtype=dtype, use_h0=bool(use_initial_state),
+               store_ht=bool(output_final_state), varlen=bool(varlen), stages=int(stages))
+    state = Launch(
+        name="gdn2_chunk_state_o",
+        key=("gdn2_chunk_state_o", _VERSION) + tuple(sorted(kw2.items())),
+        build=lambda: _state_prim(**kw2),
+        args=sc + (("h0",) if use_initial_state else ()) + (("cu_seqlens",) if varlen else ())
+        + tuple(b.name for b in outputs),
+    )
+    return Pipeline(inputs=inputs, scratch=scratch, outputs=outputs, launches=(intra, state),
+                    sizes=_sizes_fn(varlen))

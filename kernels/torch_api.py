@@ -1,0 +1,191 @@
+"""Torch API of the GDN-2 TileLang kernels: ``chunk_gdn2`` and ``fused_recurrent_gdn2`` on torch CUDA tensors.
+
+The same compiled ``tvm_ffi.Function`` objects as the JAX path (``kernels._compile.get_function``), called
+with torch tensors: zero copy for contiguous inputs, on torch's current CUDA stream (tvm-ffi picks it up from
+torch), outputs preallocated with ``torch.empty``. Forward only (no autograd). Names and semantics follow FLA's
+``fla.ops.gdn2`` (q,k ``[B,T,H,K]``; v,w ``[B,T,HV,V]``; g,b ``[B,T,HV,K]``; state ``[N,HV,K,V]`` fp32), with GVA
+(HV a multiple of H) in both ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from . import _compile
+from ._pipeline import Pipeline, launch_io, resolve_shape
+
+__all__ = ["chunk_gdn2", "fused_recurrent_gdn2", "run_pipeline", "chunk_pipeline", "recurrent_pipeline"]
+
+_DTYPE_NAMES = {"bfloat16", "float16", "float32"}
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_pipeline(**kw) -> Pipeline:
+    from .chunk_fwd import chunk_fwd_pipeline
+
+    return chunk_fwd_pipeline(**kw)
+
+
+@functools.lru_cache(maxsize=256)
+def recurrent_pipeline(**kw) -> Pipeline:
+    from .recurrent_fwd import fused_recurrent_fwd_pipeline
+
+    return fused_recurrent_fwd_pipeline(**kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+            "int32": torch.int32}[name]
+
+
+class _Plan:
+    def __init__(self, pipe: Pipeline):
+        for i in range(len(pipe.launches)):
+            launch_io(pipe, i)  # validates the parameter-order rule the JAX runner relies on
+        self.alloc = tuple(pipe.scratch) + tuple(pipe.outputs)
+        self.outputs = {b.name: b for b in pipe.outputs}
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(pipe: Pipeline) -> _Plan:
+    return _Plan(pipe)
+
+
+def run_pipeline(pipe: Pipeline, inputs: dict, *, arch: str | None = None, out: dict | None = None) -> dict:
+    """Run ``pipe`` on torch CUDA tensors ``inputs`` (name -> tensor); return ``{output name: tensor}``.
+
+    ``out`` may supply preallocated output tensors (e.g. ``{"ht": h0}`` for an aliased in-place state update,
+    only where ``pipe.aliases`` allows it). Everything else is allocated with ``torch.empty`` on the inputs'
+    device; launches run in order on the current stream.
+    """
+    import torch
+
+    plan = _plan(pipe)
+    first = inputs[pipe.inputs[0]]
+    dev = first.device
+    if arch is None:
+        arch = _compile.device_arch(dev.index or 0)  # tensors on CUDA always carry their device index
+    sizes = pipe.sizes({n: inputs[n].shape for n in pipe.inputs})
+    bufs = dict(inputs)
+    if out:
+        for name, given in out.items():
+            if name not in plan.outputs:
+                raise ValueError(f"run_pipeline: `out` may only hold outputs {sorted(plan.outputs)}, got {name!r}")
+            shape = resolve_shape(plan.outputs[name], sizes)
+            if tuple(given.shape) != shape or given.dtype != _torch_dtype(plan.outputs[name].dtype):
+                raise ValueError(f"run_pipeline: out[{name!r}] must be {plan.outputs[name].dtype} {shape}, "
+                                 f"got {given.dtype} {tuple(given.shape)}")
+            bufs[name] = given
+    for b in plan.alloc:
+        if b.name not in bufs:
+            bufs[b.name] = torch.empty(resolve_shape(b, sizes), dtype=_torch_dtype(b.dtype), device=dev)
+    for la in pipe.launches:
+        _compile.get_function(la, arch)(*[bufs[a] for a in la.args])
+    return {b.name: bufs[b.name] for b in pipe.outputs}
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_names() -> dict:
+    import torch
+
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _check(fn, q, k, v, g, b, w, initial_state, cu_seqlens):
+    """Shape / dtype / device checks (cheap: this runs on every decode step). Returns the pipeline dims."""
+    import torch
+
+    names = _dtype_names()
+    try:
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+    except (AttributeError, ValueError):
+        raise ValueError(f"{fn}: `q` [B,T,H,K] and `v` [B,T,HV,V] must be 4-D torch tensors") from None
+    for name, x, shape in (("q", q, (B, T, H, K)), ("k", k, (B, T, H, K)), ("v", v, (B, T, HV, V)),
+                           ("g", g, (B, T, HV, K)), ("b", b, (B, T, HV, K)), ("w", w, (B, T, HV, V))):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{fn}: `{name}` must be a torch.Tensor, got {type(x).__name__}")
+        if x.shape != shape:
+            raise ValueError(f"{fn}: `{name}` must have shape {shape}, got {tuple(x.shape)}")
+        if not x.is_cuda:
+            raise ValueError(f"{fn}: `{name}` must be on a CUDA device, got {x.device}")
+    if HV % H:
+        raise ValueError(f"{fn}: HV={HV} (from `v`) must be a multiple of H={H} (from `q`)")
+    dt = names.get(q.dtype)
+    if dt not in ("bfloat16", "float16"):
+        raise TypeError(f"{fn}: `q` must be bfloat16 or float16, got {q.dtype}")
+    for name, x in (("k", k), ("v", v), ("b", b), ("w", w)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{fn}: `{name}` must have q's dtype {q.dtype}, got {x.dtype}")
+    gdt = names.get(g.dtype)
+    if gdt not in ("float32", "bfloat16"):
+        raise TypeError(f"{fn}: `g` must be float32 or bfloat16, got {g.dtype}")
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"{fn}: with `cu_seqlens` the batch size must be 1, got B={B}")
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        if initial_state.shape != (N, HV, K, V) or initial_state.dtype != torch.float32:
+            raise ValueError(f"{fn}: `initial_state` must be float32 {(N, HV, K, V)}, got "
+                             f"{initial_state.dtype} {tuple(initial_state.shape)}")
+    return H, HV, K, V, dt, gdt
+
+
+def _inputs(q, k, v, g, b, w, initial_state, cu_seqlens):
+    import torch
+
+    ins = dict(q=q, k=k, v=v, g=g, b=b, w=w)
+    if initial_state is not None:
+        ins["h0"] = initial_state
+    if cu_seqlens is not None:
+        ins["cu_seqlens"] = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return {n: (x if x.is_contiguous() else x.contiguous()) for n, x in ins.items()}
+
+
+def _run(kind, q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+         inplace_final_state=False):
+    fn = "chunk_gdn2" if kind == "chunk" else "fused_recurrent_gdn2"
+    H, HV, K, V, dt, gdt = _check(fn, q, k, v, g, b, w, initial_state, cu_seqlens)
+    scale = K ** -0.5 if scale is None else float(scale)
+    kw = dict(H=H, HV=HV, K=K, V=V, dtype=dt, g_dtype=gdt, scale=scale, use_initial_state=initial_state is not None,
+              output_final_state=bool(output_final_state), varlen=cu_seqlens is not None,
+              use_qk_l2norm=bool(use_qk_l2norm_in_kernel))
+    out = None
+    if kind == "chunk":
+        pipe = chunk_pipeline(**kw)
+    else:
+        if inplace_final_state:
+            if initial_state is None or not initial_state.is_contiguous():
+                raise ValueError(f"{fn}: inplace_final_state needs a contiguous `initial_state`")
+            kw["output_final_state"] = True
+        pipe = recurrent_pipeline(**kw, inplace_state=bool(inplace_final_state))
+        if inplace_final_state:
+            out = {"ht": initial_state}
+    res = run_pipeline(pipe, _inputs(q, k, v, g, b, w, initial_state, cu_seqlens), out=out)
+    return res["o"], res.get("ht") if kw["output_final_state"] else None
+
+
+def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """Chunked GDN-2 forward (prefill) on torch CUDA tensors. Returns ``(o, final_state or None)``.
+
+    q,k ``[B,T,H,K]`` bf16/fp16; v,w ``[B,T,HV,V]``; g ``[B,T,HV,K]`` fp32/bf16 natural-log decay; b ``[B,T,HV,K]``;
+    initial_state ``[N,HV,K,V]`` fp32; cu_seqlens ``[N+1]`` int (B == 1). o has q's dtype; final state fp32.
+    """
+    return _run("chunk", q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                cu_seqlens)
+
+
+def fused_recurrent_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_state=False,
+                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, inplace_final_state=False):
+    """Token-recurrent GDN-2 forward (decode) on torch CUDA tensors. Returns ``(o, final_state or None)``.
+
+    Same arguments as :func:`chunk_gdn2` (``scale`` is the 7th positional argument here, unlike FLA, where it is
+    ``A_log``). ``inplace_final_state=True`` writes the new state into ``initial_state`` (serving) and returns it.
+    """
+    return _run("recurrent", q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                cu_seqlens, inplace_final_state=inplace_final_state)

@@ -1,0 +1,329 @@
+"""CPU-only checks of the TileLang path (no GPU needed).
+
+* lowering: ``backend="tilelang"`` under ``jax.jit`` lowered for CUDA on this host shows the content-hashed
+  ``custom_call`` targets, with the right operand/result types, vmap folded into the batch axis and the in-place
+  state alias;
+* the generic runner's launch -> ffi_call mapping on a synthetic two-launch pipeline;
+* argument checks that fire in Python before any custom call;
+* compile-only: every kernel builds for sm_90a here and its exported library loads;
+* compile cache: keys and target names change with dtype / flag / arch and only then; two processes compiling
+  the same kernel at once leave one valid library.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn2_jax
+from gdn2_jax import _ffi, _tilelang_ops
+from kernels import _compile
+from kernels._pipeline import Buf, Launch, Pipeline, launch_io
+from kernels.recurrent_fwd import fused_recurrent_fwd_pipeline
+
+HAS_TILELANG = all(importlib.util.find_spec(m) is not None for m in ("tilelang", "tvm_ffi"))
+HAS_CHUNK = importlib.util.find_spec("kernels.chunk_fwd") is not None
+needs_tilelang = pytest.mark.skipif(not HAS_TILELANG, reason="tilelang / tvm_ffi (the cuda extra) not installed")
+ROOT = Path(__file__).resolve().parents[1]
+S = jax.ShapeDtypeStruct
+BF = jnp.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _pretend_hopper(monkeypatch):
+    """Lowering for CUDA needs no GPU: let backend="tilelang" pass the device check on this CPU host (nothing is
+    compiled or run; ``_ffi`` registers targets only when JAX really has CUDA devices)."""
+    from gdn2_jax import _backend
+
+    monkeypatch.setattr(_backend, "tilelang_supported_device", lambda: True)
+    monkeypatch.setattr(_backend, "cuda_extra_installed", lambda: True)
+
+
+def _specs(B, T, H, HV, K, V, dtype=BF, g_dtype=jnp.float32, N=None):
+    N = B if N is None else N
+    return [S((B, T, H, K), dtype), S((B, T, H, K), dtype), S((B, T, HV, V), dtype), S((B, T, HV, K), g_dtype),
+            S((B, T, HV, K), dtype), S((B, T, HV, V), dtype), S((N, HV, K, V), jnp.float32)]
+
+
+def _lower(f, specs, **kw):
+    return jax.jit(f, **kw).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _custom_calls(txt):
+    return [l for l in txt.splitlines() if "stablehlo.custom_call" in l]
+
+
+def _rec(**kw):
+    base = dict(H=2, HV=4, K=64, V=64, dtype="bfloat16", g_dtype="float32", scale=0.125, use_initial_state=True,
+                output_final_state=True, varlen=False, use_qk_l2norm=False)
+    base.update(kw)
+    return fused_recurrent_fwd_pipeline(**base)
+
+
+# ----------------------------------------------------------------------------------------------------- lowering
+def test_lowering_fused_recurrent_custom_call_target_and_types():
+    def f(q, k, v, g, b, w, h0):
+        return gdn2_jax.fused_recurrent_gdn2(q, k, v, g, b, w, scale=0.125, initial_state=h0,
+                                             output_final_state=True, backend="tilelang")
+
+    calls = _custom_calls(_lower(f, _specs(3, 2, 2, 4, 64, 64)))
+    assert len(calls) == 1
+    expect = _compile.target_name(_rec().launches[0], "sm_90a")
+    assert re.fullmatch(r"gdn2_recurrent_fwd_[0-9a-f]{12}", expect)
+    assert f"@{expect}(" in calls[0]
+    # operands q,k,v,g,b,w,h0 -> results o (bf16) and ht (f32), shapes exactly as given
+    assert ("(tensor<3x2x2x64xbf16>, tensor<3x2x2x64xbf16>, tensor<3x2x4x64xbf16>, tensor<3x2x4x64xf32>, "
+            "tensor<3x2x4x64xbf16>, tensor<3x2x4x64xbf16>, tensor<3x4x64x64xf32>) -> "
+            "(tensor<3x2x4x64xbf16>, tensor<3x4x64x64xf32>)") in calls[0]
+    assert "output_operand_alias" not in calls[0]  # the functional call never writes its input
+
+
+def test_lowering_target_changes_with_flags_and_dtype():
+    def f(l2, scale, q, k, v, g, b, w, h0):
+        return gdn2_jax.fused_recurrent_gdn2(q, k, v, g, b, w, scale=scale, initial_state=h0,
+                                             output_final_state=True, use_qk_l2norm_in_kernel=l2, backend="tilelang")
+
+    names = set()
+    for l2, scale, dt in [(False, 0.125, BF), (True, 0.125, BF), (False, 0.5, BF), (False, 0.125, jnp.float16)]:
+        txt = _lower(lambda *a: f(l2, scale, *a), _specs(1, 1, 2, 4, 64, 64, dtype=dt))
+        names |= set(re.findall(r"custom_call @(\w+)\(", txt))
+    assert len(names) == 4
+
+
+def test_lowering_vmap_folds_into_batch_and_varlen():
+    def f(q, k, v, g, b, w, h0):
+        return gdn2_jax.fused_recurrent_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True,
+                                             backend="tilelang")
+
+    specs = [S((5,) + s.shape, s.dtype) for s in _specs(2, 3, 2, 4, 64, 64)]
+    calls = _custom_calls(_lower(jax.vmap(f), specs))
+    assert len(calls) == 1  # one kernel call for the whole vmapped batch, not a loop
+    assert "tensor<10x3x2x64xbf16>" in calls[0] and "tensor<10x4x64x64xf32>" in calls[0]
+
+    def fv(q, k, v, g, b, w, h0, cu):
+        return gdn2_jax.fused_recurrent_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True,
+                                             cu_seqlens=cu, backend="tilelang")
+
+    specs = [S((4,) + s.shape, s.dtype) for s in _specs(1, 7, 2, 4, 64, 64, N=3)] + [S((4, 4), jnp.int32)]
+    calls = _custom_calls(_lower(jax.vmap(fv), specs))
+    assert len(calls) == 1  # packed sequences of the 4 problems folded into one launch: T 4*7, N 4*3
+    assert "tensor<1x28x2x64xbf16>" in calls[0] and "tensor<12x4x64x64xf32>" in calls[0]
+    assert "tensor<13xi32>" in calls[0]
+
+
+def test_lowering_inplace_state_alias_when_donated():
+    def f(q, k, v, g, b, w, h0):
+        return _tilelang_ops.fused_recurrent_gdn2_inplace(q, k, v, g, b, w, h0)
+
+    txt = _lower(f, _specs(2, 1, 2, 4, 64, 64), donate_argnums=6)
+    calls = _custom_calls(txt)
+    assert len(calls) == 1 and "output_operand_alias<output_tuple_indices = [1], operand_index = 6" in calls[0]
+    assert "tf.aliasing_output = 1" in txt  # the donated jit argument is reused for the new state
+    name = re.search(r"custom_call @(\w+)\(", calls[0]).group(1)
+    txt_g = _lower(lambda *a: _tilelang_ops.fused_recurrent_gdn2_inplace(*a, cuda_graph=True),
+                   _specs(2, 1, 2, 4, 64, 64), donate_argnums=6)
+    # the CUDA-graph-capturable registration is a separate target of the same kernel
+    assert re.findall(r"custom_call @(\w+)\(", txt_g) == [name + "_cg"]
+
+
+@pytest.mark.skipif(not HAS_CHUNK, reason="kernels/chunk_fwd.py not present")
+def test_lowering_chunk_custom_calls():
+    def f(q, k, v, g, b, w, h0):
+        return gdn2_jax.chunk_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True, backend="tilelang")
+
+    txt = _lower(f, _specs(2, 100, 2, 2, 128, 128))
+    targets = re.findall(r"custom_call @(\w+)\(", txt)
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    pipe = chunk_fwd_pipeline(H=2, HV=2, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+                              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    assert len(targets) == len(pipe.launches) >= 1
+    assert all(re.fullmatch(r"gdn2_\w+_[0-9a-f]{12}(_d[\d_]+)?", t) for t in targets)
+    assert "tensor<2x100x2x128xbf16>" in txt.split("return")[-1] or "2x100x2x128xbf16" in txt
+
+
+def test_generic_runner_maps_launches_to_ffi_calls():
+    """Launch 1 writes scratch `A` and output `o`; launch 2 updates both in place; launch 3 reads `A` (listed
+    first) and writes the new output `p`."""
+    never = lambda: None  # noqa: E731  (no kernel is built when lowering on a CPU host)
+    pipe = Pipeline(
+        inputs=("x",),
+        scratch=(Buf("A", ("B", 4), "float32"),),
+        outputs=(Buf("o", ("B", 8), "bfloat16"), Buf("p", (2, "B"), "float16")),
+        launches=(Launch("gdn2_t1", ("t1",), never, ("x", "A", "o")),
+                  Launch("gdn2_t2", ("t2",), never, ("x", "A", "o")),
+                  Launch("gdn2_t3", ("t3",), never, ("A", "x", "p"))),
+        sizes=lambda shapes: {"B": shapes["x"][0]},
+    )
+    assert launch_io(pipe, 0) == (("x",), ("A", "o"), ("A", "o"))
+    assert launch_io(pipe, 1) == (("x",), ("A", "o"), ())
+    assert launch_io(pipe, 2) == (("A", "x"), ("p",), ("p",))
+    txt = _lower(lambda x: _ffi.run_pipeline(pipe, {"x": x}, register_targets=False),
+                 [S((3, 5), jnp.float32)])
+    calls = _custom_calls(txt)
+    assert len(calls) == 3
+    assert "(tensor<3x4xf32>, tensor<3x5xf32>) -> tensor<2x3xf16>" in calls[2] and "alias" not in calls[2]
+    assert "-> (tensor<3x4xf32>, tensor<3x8xbf16>)" in calls[0] and "output_operand_alias" not in calls[0]
+    # second call: x plus the two buffers it updates in place, aliased to its results
+    assert "(tensor<3x5xf32>, tensor<3x4xf32>, tensor<3x8xbf16>) -> (tensor<3x4xf32>, tensor<3x8xbf16>)" in calls[1]
+    assert "output_tuple_indices = [0], operand_index = 1" in calls[1]
+    assert "output_tuple_indices = [1], operand_index = 2" in calls[1]
+    assert re.search(r"@gdn2_t2_[0-9a-f]{12}_d1_2\(", calls[1])
+
+
+def test_pipeline_rejects_unknown_buffers_and_bad_alias():
+    never = lambda: None  # noqa: E731
+    with pytest.raises(ValueError, match="unknown buffers"):
+        Pipeline(inputs=("x",), scratch=(), outputs=(Buf("o", (1,), "float32"),),
+                 launches=(Launch("l", (1,), never, ("x", "y", "o")),), sizes=lambda s: {})
+    with pytest.raises(ValueError, match="alias"):
+        Pipeline(inputs=("x",), scratch=(), outputs=(Buf("o", (1,), "float32"),),
+                 launches=(Launch("l", (1,), never, ("x", "o")),), sizes=lambda s: {}, aliases={"o": "z"})
+    with pytest.raises(ValueError, match="dtype"):
+        Buf("o", (1,), "float64")
+    bad = Pipeline(inputs=("x", "y"), scratch=(), outputs=(Buf("o", (1,), "float32"),),
+                   launches=(Launch("l", (1,), never, ("x", "o", "y")),), sizes=lambda s: {})
+    with pytest.raises(ValueError, match="lists inputs"):
+        launch_io(bad, 0)
+
+
+# ------------------------------------------------------------------------------------------ argument checks
+def _arrays(dtype=BF, K=64, V=64, g_dtype=jnp.float32):
+    rng = np.random.default_rng(0)
+    B, T, H, HV = 1, 2, 2, 4
+    mk = lambda shape, dt: jnp.asarray(rng.standard_normal(shape), dt)  # noqa: E731
+    return [mk((B, T, H, K), dtype), mk((B, T, H, K), dtype), mk((B, T, HV, V), dtype),
+            -jnp.abs(mk((B, T, HV, K), g_dtype)), jnp.abs(mk((B, T, HV, K), dtype)), jnp.abs(mk((B, T, HV, V), dtype))]
+
+
+@pytest.mark.parametrize("op", ["fused_recurrent_gdn2", "chunk_gdn2"])
+def test_tilelang_rejects_unsupported_inputs_before_any_call(op):
+    if op not in _tilelang_ops.IMPLEMENTED:
+        pytest.skip(f"{op} has no tilelang path here")
+    fn = getattr(gdn2_jax, op)
+    with pytest.raises(TypeError, match=r"`q` in bfloat16 or float16"):
+        fn(*_arrays(jnp.float32), backend="tilelang")
+    a = _arrays()
+    a[2] = a[2].astype(jnp.float16)
+    with pytest.raises(TypeError, match=r"`v` in q's dtype"):
+        fn(*a, backend="tilelang")
+    a = _arrays(g_dtype=jnp.float16)
+    with pytest.raises(TypeError, match=r"`g` in float32 or bfloat16"):
+        fn(*a, backend="tilelang")
+    with pytest.raises(ValueError, match=r"key head dim K in .* got K=48"):
+        fn(*_arrays(K=48), backend="tilelang")
+    with pytest.raises(ValueError, match=r"value head dim V in .* got V=24"):
+        fn(*_arrays(V=24), backend="tilelang")
+
+
+def test_unsupported_gpu_arch_is_a_clear_error():
+    assert _compile.arch_for_capability(9, 0) == "sm_90a"
+    with pytest.raises(_compile.UnsupportedGPUError, match=r"compute capability 8\.0.*backend='xla'"):
+        _compile.arch_for_capability(8, 0)
+    with pytest.raises(_compile.UnsupportedGPUError, match="sm_80"):
+        _compile.target("sm_80")
+
+
+def test_import_gdn2_jax_does_not_import_tilelang_or_torch():
+    code = "import sys, gdn2_jax; print('tilelang' in sys.modules, 'torch' in sys.modules, 'tvm_ffi' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.stdout.split() == ["False", "False", "False"], out.stderr
+
+
+# -------------------------------------------------------------------------------------------------- cache keys
+def test_cache_key_and_target_name_depend_on_exactly_the_code():
+    la = lambda **kw: _rec(**kw).launches[0]  # noqa: E731
+    base = la()
+    assert _compile.cache_key(base, "sm_90a") == _compile.cache_key(la(), "sm_90a")  # rebuilt: same key
+    assert _compile.target_name(base, "sm_90a") == _compile.target_name(la(), "sm_90a")
+    # in-place aliasing changes no kernel code: same compiled kernel and target
+    assert _compile.cache_key(la(), "sm_90a") == _compile.cache_key(_rec().launches[0], "sm_90a")
+    variants = [la(dtype="float16"), la(g_dtype="bfloat16"), la(use_qk_l2norm=True), la(varlen=True),
+                la(output_final_state=False), la(use_initial_state=False), la(scale=0.5), la(K=128), la(HV=8)]
+    keys = {_compile.cache_key(v, "sm_90a") for v in variants} | {_compile.cache_key(base, "sm_90a")}
+    names = {_compile.target_name(v, "sm_90a") for v in variants} | {_compile.target_name(base, "sm_90a")}
+    assert len(keys) == len(variants) + 1 and len(names) == len(variants) + 1
+    assert _compile.cache_key(base, "sm_100a") != _compile.cache_key(base, "sm_90a")
+    assert _compile.target_name(base, "sm_100a") != _compile.target_name(base, "sm_90a")
+    assert _rec(inplace_state=True).aliases == {"ht": "h0"} and _rec().aliases == {}
+
+
+def test_cache_dir_env_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("GDN2_JAX_CACHE_DIR", str(tmp_path / "kc"))
+    p = _compile.library_path(_rec().launches[0], "sm_90a")
+    assert p.parent == tmp_path / "kc" / "sm_90a" and p.suffix == ".so"
+    monkeypatch.delenv("GDN2_JAX_CACHE_DIR")
+    assert _compile.cache_dir() == Path.home() / ".cache" / "gdn2-jax" / "kernels"
+
+
+# ------------------------------------------------------------------------------------------------ compile-only
+@needs_tilelang
+@pytest.mark.slow
+def test_two_processes_compile_the_same_kernel_into_one_valid_library(tmp_path):
+    """Both processes succeed, exactly one library and no temp files remain, and it loads (one kernel compile:
+    the second process waits on the lock and reuses the first one's file)."""
+    script = textwrap.dedent("""
+        import sys, time
+        from kernels import _compile
+        from kernels.recurrent_fwd import fused_recurrent_fwd_pipeline
+        la = fused_recurrent_fwd_pipeline(H=1, HV=2, K=32, V=32, dtype="float16", g_dtype="float32", scale=0.2,
+                                          use_initial_state=False, output_final_state=True, varlen=True,
+                                          use_qk_l2norm=True).launches[0]
+        print(_compile.compile_launch(la, "sm_90a"))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GDN2_JAX_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    paths = {o[0].strip().splitlines()[-1] for o in outs}
+    assert len(paths) == 1
+    files = sorted(f.name for f in (tmp_path / "sm_90a").iterdir())
+    assert [f for f in files if f.endswith(".so")] == [Path(next(iter(paths))).name]
+    assert not [f for f in files if f.startswith(".tmp")]
+    import tilelang  # noqa: F401
+    import tvm_ffi
+
+    mod = tvm_ffi.load_module(next(iter(paths)))
+    assert mod["main"] is not None
+
+
+def _kernels_to_build():
+    out = [("recurrent-dense", _rec(K=128, V=128)),
+           ("recurrent-varlen-l2-fp16-nostate", _rec(dtype="float16", g_dtype="bfloat16", use_initial_state=False,
+                                                     output_final_state=False, varlen=True, use_qk_l2norm=True))]
+    if HAS_CHUNK:
+        from kernels.chunk_fwd import chunk_fwd_pipeline
+
+        for varlen in (False, True):
+            out.append((f"chunk-varlen{varlen}", chunk_fwd_pipeline(
+                H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+                use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=varlen)))
+    return out
+
+
+@needs_tilelang
+@pytest.mark.slow
+@pytest.mark.parametrize("name,pipe", _kernels_to_build(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_kernel_compiles_for_sm90a_on_cpu(name, pipe, monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("GDN2_JAX_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kcache"))
+    import tilelang  # noqa: F401
+    import tvm_ffi
+
+    for la in pipe.launches:
+        path = _compile.compile_launch(la, "sm_90a")
+        assert path.stat().st_size > 10_000
+        blob = path.read_bytes()
+        assert b"sm_90a" in blob or b"sm_90" in blob  # device code for Hopper embedded in the library
+        assert tvm_ffi.load_module(str(path))["main"] is not None

@@ -1,0 +1,340 @@
+"""Every bad input raises a clear ValueError/TypeError naming the argument, before any computation.
+
+"Before any computation" is checked three ways:
+* every case runs with numpy inputs under ``jax.transfer_guard("disallow")``: any jnp operation on them
+  would need a host-to-device transfer and fail with a JaxRuntimeError instead of our error;
+* every shape/dtype case also raises from ``jax.eval_shape`` on ``ShapeDtypeStruct`` inputs (no arrays
+  exist at all: the error comes from shapes alone, at trace time);
+* a subprocess imports gdn2_jax, makes bad calls, and checks that JAX never initialised a backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn2_jax import chunk_gdn2, fused_recurrent_gdn2, naive_chunk_gdn2, naive_recurrent_gdn2
+
+FUNCS = {
+    "chunk_gdn2": chunk_gdn2,
+    "fused_recurrent_gdn2": fused_recurrent_gdn2,
+    "naive_recurrent_gdn2": naive_recurrent_gdn2,
+    "naive_chunk_gdn2": naive_chunk_gdn2,
+}
+PUBLIC_OPS = ("chunk_gdn2", "fused_recurrent_gdn2")  # the ones with a `backend` argument
+
+B, T, H, HV, K, V = 2, 5, 2, 4, 3, 2
+
+
+def _rng_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, H, K)).astype(np.float32)
+    k = rng.standard_normal((B, T, H, K)).astype(np.float32)
+    v = rng.standard_normal((B, T, HV, V)).astype(np.float32)
+    g = rng.uniform(-2, -0.1, (B, T, HV, K)).astype(np.float32)
+    b = rng.uniform(0, 1, (B, T, HV, K)).astype(np.float32)
+    w = rng.uniform(0, 1, (B, T, HV, V)).astype(np.float32)
+    return dict(q=q, k=k, v=v, g=g, b=b, w=w)
+
+
+def _args(**over):
+    """Valid dense arguments with some replaced: returns (positional dict, keyword dict)."""
+    pos = _rng_inputs()
+    kw = {}
+    for name, val in over.items():
+        (pos if name in pos else kw)[name] = val
+    return pos, kw
+
+
+def _varlen(cu, T_=7, **over):
+    pos = _rng_inputs(B=1, T=T_)
+    kw = dict(cu_seqlens=np.asarray(cu, np.int32) if not isinstance(cu, np.ndarray) else cu)
+    for name, val in over.items():
+        (pos if name in pos else kw)[name] = val
+    return pos, kw
+
+
+def _with(name, shape=None, dtype=np.float32, fill=None):
+    a = np.random.default_rng(1).uniform(-1, -0.1, shape).astype(dtype) if fill is None else fill
+    return {name: a}
+
+
+def _nan_at(name, value):
+    pos = _rng_inputs()
+    x = pos[name].copy()
+    x[1, 3, 2, 1] = value
+    return {name: x}
+
+
+# (case id, builder -> (pos, kw), exception, argument named in the message, shape-only?)
+# shape-only cases are also checked through jax.eval_shape on ShapeDtypeStruct inputs.
+CASES = [
+    # ranks
+    ("q_rank3", lambda: _args(**_with("q", (B, T, H * K))), ValueError, "q", True),
+    ("v_rank5", lambda: _args(**_with("v", (B, T, HV, V, 1))), ValueError, "v", True),
+    ("g_rank3", lambda: _args(**_with("g", (B, T, HV * K))), ValueError, "g", True),
+    # mismatched B / T / H / dims
+    ("k_heads", lambda: _args(**_with("k", (B, T, H + 1, K))), ValueError, "k", True),
+    ("k_T", lambda: _args(**_with("k", (B, T + 1, H, K))), ValueError, "k", True),
+    ("v_B", lambda: _args(**_with("v", (B + 1, T, HV, V)), **_with("w", (B + 1, T, HV, V))),
+     ValueError, "v", True),
+    ("v_T", lambda: _args(**_with("v", (B, T - 1, HV, V)), **_with("w", (B, T - 1, HV, V))),
+     ValueError, "v", True),
+    ("w_V", lambda: _args(**_with("w", (B, T, HV, V + 1))), ValueError, "w", True),
+    ("w_heads", lambda: _args(**_with("w", (B, T, HV - 1, V))), ValueError, "w", True),
+    ("g_K", lambda: _args(**_with("g", (B, T, HV, K + 1))), ValueError, "g", True),
+    ("g_B", lambda: _args(**_with("g", (B + 1, T, HV, K))), ValueError, "g", True),
+    ("b_heads", lambda: _args(**_with("b", (B, T, H, K))), ValueError, "b", True),
+    ("b_T", lambda: _args(**_with("b", (B, T + 2, HV, K))), ValueError, "b", True),
+    # HV not a multiple of H
+    ("HV_not_multiple", lambda: _args(**_with("v", (B, T, 3, V)), **_with("w", (B, T, 3, V)),
+                                      **_with("g", (B, T, 3, K)), **_with("b", (B, T, 3, K))),
+     ValueError, "v", True),
+    # K or V unsupported
+    ("K_zero", lambda: _args(**_with("q", (B, T, H, 0)), **_with("k", (B, T, H, 0)),
+                             **_with("g", (B, T, HV, 0)), **_with("b", (B, T, HV, 0))),
+     ValueError, "q", True),
+    ("V_zero", lambda: _args(**_with("v", (B, T, HV, 0)), **_with("w", (B, T, HV, 0))),
+     ValueError, "v", True),
+    # non-arrays and non-float dtypes
+    ("q_list", lambda: _args(q=np.zeros((B, T, H, K)).tolist()), TypeError, "q", False),
+    ("q_int", lambda: _args(**_with("q", (B, T, H, K), np.int32)), TypeError, "q", True),
+    ("g_int", lambda: _args(**_with("g", (B, T, HV, K), np.int32)), TypeError, "g", True),
+    ("b_int", lambda: _args(**_with("b", (B, T, HV, K), np.int64)), TypeError, "b", True),
+    ("w_bool", lambda: _args(w=np.ones((B, T, HV, V), bool)), TypeError, "w", True),
+    ("g_complex", lambda: _args(**_with("g", (B, T, HV, K), np.complex64)), TypeError, "g", True),
+    # initial_state
+    ("h0_wrong_N", lambda: _args(**_with("initial_state", (B + 1, HV, K, V))), ValueError,
+     "initial_state", True),
+    ("h0_wrong_heads", lambda: _args(**_with("initial_state", (B, H, K, V))), ValueError,
+     "initial_state", True),
+    ("h0_transposed", lambda: _args(**_with("initial_state", (B, HV, V, K))), ValueError,
+     "initial_state", True),
+    ("h0_rank3", lambda: _args(**_with("initial_state", (B, HV, K * V))), ValueError,
+     "initial_state", True),
+    ("h0_bf16", lambda: _args(**_with("initial_state", (B, HV, K, V), jnp.bfloat16)), TypeError,
+     "initial_state", True),
+    ("h0_fp16", lambda: _args(**_with("initial_state", (B, HV, K, V), np.float16)), TypeError,
+     "initial_state", True),
+    ("h0_int", lambda: _args(**_with("initial_state", (B, HV, K, V), np.int32)), TypeError,
+     "initial_state", True),
+    ("h0_list", lambda: _args(initial_state=np.zeros((B, HV, K, V)).tolist()), TypeError,
+     "initial_state", False),
+    # cu_seqlens
+    ("cu_B2", lambda: _args(cu_seqlens=np.array([0, 2, T], np.int32)), ValueError, "cu_seqlens", True),
+    ("cu_start1", lambda: _varlen([1, 3, 7]), ValueError, "cu_seqlens", False),
+    ("cu_decreasing", lambda: _varlen([0, 5, 3, 7]), ValueError, "cu_seqlens", False),
+    ("cu_end_short", lambda: _varlen([0, 3, 6]), ValueError, "cu_seqlens", False),
+    ("cu_end_long", lambda: _varlen([0, 3, 8]), ValueError, "cu_seqlens", False),
+    ("cu_float", lambda: _varlen(np.array([0.0, 3.0, 7.0], np.float32)), TypeError, "cu_seqlens", True),
+    ("cu_bool", lambda: _varlen(np.array([False, True], bool)), TypeError, "cu_seqlens", True),
+    ("cu_2d", lambda: _varlen(np.array([[0, 3, 7]], np.int32)), ValueError, "cu_seqlens", True),
+    ("cu_len1", lambda: _varlen(np.array([0], np.int32)), ValueError, "cu_seqlens", True),
+    ("cu_list", lambda: _varlen([0, 3, 7], cu_seqlens=[0, 3, 7]), TypeError, "cu_seqlens", False),
+    ("cu_h0_N", lambda: _varlen([0, 3, 7], initial_state=np.zeros((3, HV, K, V), np.float32)),
+     ValueError, "initial_state", True),
+    # scale
+    ("scale_zero", lambda: _args(scale=0.0), ValueError, "scale", True),
+    ("scale_negative", lambda: _args(scale=-0.5), ValueError, "scale", True),
+    ("scale_nan", lambda: _args(scale=math.nan), ValueError, "scale", True),
+    ("scale_inf", lambda: _args(scale=math.inf), ValueError, "scale", True),
+    ("scale_str", lambda: _args(scale="0.5"), TypeError, "scale", True),
+    ("scale_bool", lambda: _args(scale=True), TypeError, "scale", True),
+    ("scale_list", lambda: _args(scale=[0.5]), TypeError, "scale", True),
+    ("scale_vector", lambda: _args(scale=np.array([0.5, 0.5])), TypeError, "scale", True),
+    # flags
+    ("flag_final_int", lambda: _args(output_final_state=1), TypeError, "output_final_state", True),
+    ("flag_final_str", lambda: _args(output_final_state="yes"), TypeError, "output_final_state", True),
+    ("flag_final_none", lambda: _args(output_final_state=None), TypeError, "output_final_state", True),
+    ("flag_l2_int", lambda: _args(use_qk_l2norm_in_kernel=0), TypeError, "use_qk_l2norm_in_kernel", True),
+    # NaN / inf in concrete gates
+    ("g_nan", lambda: _args(**_nan_at("g", np.nan)), ValueError, "g", False),
+    ("g_neg_inf", lambda: _args(**_nan_at("g", -np.inf)), ValueError, "g", False),
+    ("b_inf", lambda: _args(**_nan_at("b", np.inf)), ValueError, "b", False),
+    ("w_nan", lambda: _args(**_nan_at("w", np.nan)), ValueError, "w", False),
+]
+
+BACKEND_CASES = [
+    ("backend_unknown", lambda: _args(backend="cuda"), ValueError, "backend", True),
+    ("backend_case", lambda: _args(backend="XLA"), ValueError, "backend", True),
+    ("backend_none", lambda: _args(backend=None), TypeError, "backend", True),
+]
+
+
+def _call(fn_name, pos, kw):
+    f = FUNCS[fn_name]
+    return f(pos["q"], pos["k"], pos["v"], pos["g"], pos["b"], pos["w"], **kw)
+
+
+def _all_cases():
+    for fn_name in FUNCS:
+        for case in CASES:
+            yield pytest.param(fn_name, *case, id=f"{fn_name}-{case[0]}")
+        if fn_name in PUBLIC_OPS:
+            for case in BACKEND_CASES:
+                yield pytest.param(fn_name, *case, id=f"{fn_name}-{case[0]}")
+
+
+def _assert_names(excinfo, fn_name, arg):
+    msg = str(excinfo.value)
+    assert f"`{arg}`" in msg, f"message does not name `{arg}`: {msg!r}"
+    assert msg.startswith(fn_name + ":"), f"message does not name the function: {msg!r}"
+
+
+@pytest.mark.parametrize("fn_name,case,build,exc,arg,shape_only", list(_all_cases()))
+def test_bad_input_raises_before_any_transfer(fn_name, case, build, exc, arg, shape_only):
+    pos, kw = build()
+    with jax.transfer_guard("disallow"):  # any jnp work on the numpy inputs would raise JaxRuntimeError
+        with pytest.raises(exc) as excinfo:
+            _call(fn_name, pos, kw)
+    _assert_names(excinfo, fn_name, arg)
+
+
+def _abstract(x):
+    if isinstance(x, np.ndarray):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+@pytest.mark.parametrize(
+    "fn_name,case,build,exc,arg,shape_only",
+    [p for p in _all_cases() if p.values[-1]],
+)
+def test_bad_shape_or_dtype_raises_at_trace_time(fn_name, case, build, exc, arg, shape_only):
+    pos, kw = build()
+    arrays = {n: _abstract(x) for n, x in {**pos, **kw}.items() if isinstance(x, np.ndarray)}
+    static = {n: x for n, x in kw.items() if n not in arrays}
+
+    def f(arrs):
+        full = {**arrs, **static}
+        return _call(fn_name, {n: full.pop(n) for n in "qkvgbw"}, full)
+
+    with pytest.raises(exc) as excinfo:
+        jax.eval_shape(f, arrays)
+    _assert_names(excinfo, fn_name, arg)
+
+
+def test_concrete_only_checks_are_skipped_for_traced_cu_seqlens():
+    # Under jit the values of cu_seqlens are unknown: the call must trace (shapes are fine), which shows the
+    # value checks above are skipped, not silently applied to garbage.
+    pos, kw = _varlen([0, 3, 7])
+    out = jax.eval_shape(
+        lambda cu: naive_recurrent_gdn2(*(pos[n] for n in "qkvgbw"), cu_seqlens=cu, output_final_state=True),
+        jax.ShapeDtypeStruct((3,), np.int32),
+    )
+    assert out[1].shape == (2, HV, K, V)
+
+
+def test_cu_seqlens_with_zero_length_sequences_is_valid():
+    pos, kw = _varlen([0, 0, 3, 3, 7])
+    o, ht = fused_recurrent_gdn2(*(pos[n] for n in "qkvgbw"), output_final_state=True, **kw)
+    assert ht.shape == (4, HV, K, V)
+    # zero-length sequences keep their (zero) initial state; the others do not
+    norms = np.abs(np.asarray(ht)).sum(axis=(1, 2, 3))
+    assert norms[0] == 0 and norms[2] == 0 and norms[1] > 0 and norms[3] > 0
+
+
+_SUBPROCESS = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import gdn2_jax
+    from jax._src import xla_bridge
+    res = {"after_import": {
+        "modules": sorted(m for m in ("torch", "tilelang", "jax_tvm_ffi", "tvm_ffi", "triton", "fla")
+                          if m in sys.modules),
+        "backends": sorted(xla_bridge._backends),
+    }}
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 6, 2, 3)).astype(np.float32); k = q.copy()
+    v = rng.standard_normal((1, 6, 2, 2)).astype(np.float32); w = np.full_like(v, 0.5)
+    g = np.full((1, 6, 2, 3), -0.5, np.float32); b = np.full_like(g, 0.5)
+    bad = {
+        "cu_not_ending_at_T": dict(cu_seqlens=np.array([0, 2, 5], np.int32)),
+        "g_nan": dict(g=np.where(g == g, np.nan, g).astype(np.float32)),
+        "h0_fp16": dict(initial_state=np.zeros((1, 2, 3, 2), np.float16)),
+        "scale_zero": dict(scale=0.0),
+        "backend": dict(backend="gpu"),
+    }
+    errors = {}
+    for fn in ("chunk_gdn2", "fused_recurrent_gdn2", "naive_recurrent_gdn2", "naive_chunk_gdn2"):
+        for name, over in bad.items():
+            if name == "backend" and fn.startswith("naive"):
+                continue
+            args = dict(q=q, k=k, v=v, g=g, b=b, w=w)
+            kw = {}
+            for key, val in over.items():
+                (args if key in args else kw)[key] = val
+            try:
+                getattr(gdn2_jax, fn)(*args.values(), **kw)
+                errors[fn + "/" + name] = "no error"
+            except (ValueError, TypeError) as e:
+                errors[fn + "/" + name] = type(e).__name__
+    res["errors"] = errors
+    res["after_bad_calls"] = sorted(xla_bridge._backends)
+    gdn2_jax.fused_recurrent_gdn2(q, k, v, g, b, w)  # a valid call does initialise a backend
+    res["after_good_call"] = sorted(xla_bridge._backends)
+    print(json.dumps(res))
+    """
+)
+
+
+def test_import_is_light_and_bad_calls_touch_no_backend():
+    out = subprocess.run([sys.executable, "-c", _SUBPROCESS], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["after_import"]["modules"] == [], res
+    assert res["after_import"]["backends"] == [], res
+    assert res["errors"] and all(v in ("ValueError", "TypeError") for v in res["errors"].values()), res
+    assert res["after_bad_calls"] == [], res
+    assert res["after_good_call"] != [], res  # the probe can see an initialised backend
+
+
+@pytest.mark.parametrize("fn_name", list(FUNCS))
+def test_calls_do_not_mutate_or_donate_inputs(fn_name):
+    pos = _rng_inputs()
+    h0 = np.random.default_rng(3).standard_normal((B, HV, K, V)).astype(np.float32)
+    copies = {n: x.copy() for n, x in pos.items()}
+    h0_copy = h0.copy()
+    _call(fn_name, pos, dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True))
+    for n, x in pos.items():
+        np.testing.assert_array_equal(x, copies[n], err_msg=n)
+    np.testing.assert_array_equal(h0, h0_copy)
+
+    # jax array inputs stay alive (nothing is donated), also under jit
+    jpos = {n: jnp.asarray(x) for n, x in pos.items()}
+    jh0 = jnp.asarray(h0)
+    f = jax.jit(lambda p, s: _call(fn_name, p, dict(initial_state=s, output_final_state=True)))
+    f(jpos, jh0)
+    assert not any(x.is_deleted() for x in jpos.values()) and not jh0.is_deleted()
+    np.testing.assert_array_equal(np.asarray(jh0), h0_copy)
+
+
+
+@pytest.mark.parametrize("fn_name", list(FUNCS))
+def test_numpy_float64_inputs_without_x64(fn_name):
+    """numpy's default float64 arrays (and a numpy initial_state with packed sequences) work without x64:
+    math in float32, float32 results, no dtype-truncation warnings, same values as float32 inputs."""
+    assert not jax.config.jax_enable_x64
+    pos = {n: x.astype(np.float64) for n, x in _rng_inputs(B=1, T=7).items()}
+    h0 = np.random.default_rng(5).standard_normal((2, HV, K, V))
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+              cu_seqlens=np.array([0, 3, 7]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o, ht = _call(fn_name, pos, kw)
+    assert o.dtype == np.float32 and ht.dtype == np.float32
+    o32, ht32 = _call(fn_name, {n: x.astype(np.float32) for n, x in pos.items()},
+                      dict(kw, initial_state=h0.astype(np.float32)))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o32), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ht), np.asarray(ht32), rtol=1e-5, atol=1e-6)
