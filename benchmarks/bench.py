@@ -503,6 +503,8 @@ def markdown(res) -> str:
          "Timing: `do_bench` medians (CUDA events) for torch/FLA; host-clock loops (n back-to-back calls + sync) "
          "for every path incl. JAX (`*_host`, `jax_*`). Extra peak memory: torch peak − allocated before the call "
          "(outputs included); JAX: XLA memory analysis (outputs + temporaries − aliased).", ""]
+    if res.get("notes"):
+        L += ["## Notes on this run", ""] + [f"* {n}" for n in res["notes"]] + [""]
     if res["prefill"]:
         L += ["## Prefill forward (inference), bf16, D=128, with initial and final state", "",
               "| B | T | H | ours torch ms | ours JAX ms | JAX/torch(host) | FLA ms | speedup vs FLA (torch) | "
@@ -555,6 +557,10 @@ def plot(res, path):
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, key in zip(axes, ("prefill", "decode")):
+        if not res.get(key):
+            ax.text(0.5, 0.5, f"{key}: not measured in this run", ha="center", va="center")
+            ax.axis("off")
     if res["prefill"]:
         ax = axes[0]
         labels = [f"{r['B']},{r['T']},{r['H']}" for r in res["prefill"]]
@@ -597,12 +603,18 @@ def main(argv=None):
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep decode tiles (block_v, threads)")
     ap.add_argument("--skip-graph", action="store_true", help="skip the CUDA-graph JAX decode loop (subprocess)")
     ap.add_argument("--graph-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--replot", metavar="JSON", help="only rewrite the markdown and plot of a saved result file")
     ap.add_argument("--xla-max-tokens", type=int, default=1 << 19,
                     help="skip backend='xla' prefill above this B*T*H")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if args.graph_child:
         return decode_graph_child()
+    if args.replot:
+        res = json.loads(Path(args.replot).read_text())
+        Path(args.replot).with_suffix(".md").write_text(markdown(res))
+        print("plot:", plot(res, Path(args.replot).with_suffix(".png")))
+        return 0
     import torch
 
     from gdn2_jax import _tilelang_ops
