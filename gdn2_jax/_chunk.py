@@ -35,9 +35,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from ._validation import Dims, check_inputs
+from ._validation import Dims, check_inputs, poison_if_invalid_cu_seqlens
 
 __all__ = ["naive_chunk_gdn2", "chunk_forward_xla", "CHUNK_SIZE"]
 
@@ -381,7 +382,10 @@ def naive_chunk_gdn2(
     dims = check_inputs(fn, q, k, v, g, b, w, scale=scale, initial_state=initial_state,
                         cu_seqlens=cu_seqlens, output_final_state=output_final_state,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(f"{fn}: `chunk_size` must be a positive int, got {type(chunk_size).__name__} {chunk_size!r}")
+    if chunk_size < 1:
         raise ValueError(f"{fn}: `chunk_size` must be a positive int, got {chunk_size!r}")
-    return _chunked(_naive_core, q, k, v, g, b, w, dims, initial_state, cu_seqlens, output_final_state,
-                    use_qk_l2norm_in_kernel, chunk_size)
+    o, ht = _chunked(_naive_core, q, k, v, g, b, w, dims, initial_state, cu_seqlens, output_final_state,
+                     use_qk_l2norm_in_kernel, int(chunk_size))
+    return poison_if_invalid_cu_seqlens(cu_seqlens, dims.T, o, ht)

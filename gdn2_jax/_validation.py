@@ -165,12 +165,12 @@ def check_inputs(
                 f"{fn}: `initial_state` must be float32 (or float64 with jax_enable_x64), got {initial_state.dtype}"
             )
 
-    if not isinstance(output_final_state, (bool, np.bool_)):
-        raise TypeError(f"{fn}: `output_final_state` must be a Python bool, got {type(output_final_state).__name__}")
-    if not isinstance(use_qk_l2norm_in_kernel, (bool, np.bool_)):
-        raise TypeError(
-            f"{fn}: `use_qk_l2norm_in_kernel` must be a Python bool, got {type(use_qk_l2norm_in_kernel).__name__}"
-        )
+    for name, flag in (("output_final_state", output_final_state),
+                       ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)):
+        if not isinstance(flag, (bool, np.bool_)):
+            hint = (" (a traced value: under jax.jit pass it as a static argument, e.g. static_argnames)"
+                    if isinstance(flag, jax.core.Tracer) else "")
+            raise TypeError(f"{fn}: `{name}` must be a Python bool, got {type(flag).__name__}{hint}")
 
     check_finite_gates(fn, g, b, w)
 
@@ -217,3 +217,21 @@ def check_finite_gates(fn: str, g, b, w) -> None:
             continue
         if not ok:
             raise ValueError(f"{fn}: `{name}` contains NaN or inf")
+
+
+def poison_if_invalid_cu_seqlens(cu_seqlens, T: int, o, final_state):
+    """Turn the outputs into NaN when *traced* ``cu_seqlens`` are invalid (never a silent wrong answer).
+
+    Concrete ``cu_seqlens`` were already checked by :func:`check_inputs` (a ``ValueError`` before anything
+    runs). Traced ones (under ``jit``/``vmap``) cannot be inspected in Python, so validity — starts at 0,
+    non-decreasing, ends at T — is computed on the device, and ``o`` / ``final_state`` become NaN if it fails.
+    """
+    if cu_seqlens is None or _is_concrete(cu_seqlens):
+        return o, final_state
+    cu = cu_seqlens.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+    valid = (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] == T)
+
+    def poison(x):
+        return None if x is None else jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype))
+
+    return poison(o), poison(final_state)

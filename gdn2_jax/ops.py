@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 
 from . import _backend, _tilelang_ops
-from ._validation import check_inputs
+from ._chunk import chunk_forward_xla
+from ._validation import check_inputs, poison_if_invalid_cu_seqlens
 from .reference import recurrent_forward
 
 __all__ = ["chunk_gdn2", "fused_recurrent_gdn2"]
@@ -43,7 +44,9 @@ _DOC_ARGS = """
       output_final_state: if True also return the final state ``[N, HV, K, V]`` (float32).
       use_qk_l2norm_in_kernel: L2-normalise q and k over K first (``x * rsqrt(sum x^2 + 1e-6)`` in fp32).
       cu_seqlens: ``[N + 1]`` int32/int64 offsets of sequences packed along T (requires B == 1). Each sequence
-        starts from ``initial_state[n]`` (or zero); zero-length sequences are allowed.
+        starts from ``initial_state[n]`` (or zero); zero-length sequences are allowed. Concrete offsets are
+        checked in Python (ValueError); traced ones are checked on the device, and invalid ones (not starting
+        at 0, decreasing, or not ending at T) make ``o`` and ``final_state`` NaN.
       backend: ``"xla"`` (pure jnp, any device, differentiable), ``"tilelang"`` (TileLang kernels on NVIDIA
         Hopper GPUs), or ``"auto"`` (tilelang where it is available and supports the inputs' dtypes and head
         dims, else xla).
@@ -80,21 +83,9 @@ def chunk_gdn2(
     (hand-written chunk-level VJP for all seven inputs q, k, v, g, b, w, initial_state), ``jax.vmap`` and
     ``jax.checkpoint``.
     """
-    fn = "chunk_gdn2"
-    _backend.check_backend(backend, fn)
-    dims = check_inputs(fn, q, k, v, g, b, w, scale=scale, initial_state=initial_state,
-                        cu_seqlens=cu_seqlens, output_final_state=output_final_state,
-                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    be = _pick_backend(backend, fn, q, k, v, g, b, w, dims, initial_state)
-    if be == "tilelang":
-        return _tilelang_ops.chunk_gdn2(q, k, v, g, b, w, dims=dims, initial_state=initial_state,
-                                        output_final_state=output_final_state,
-                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                        cu_seqlens=cu_seqlens)
-    from ._chunk import chunk_forward_xla
-
-    return chunk_forward_xla(q, k, v, g, b, w, dims, initial_state, cu_seqlens,
-                             output_final_state, use_qk_l2norm_in_kernel)
+    return _run("chunk_gdn2", _tilelang_ops.chunk_gdn2, chunk_forward_xla, q, k, v, g, b, w, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, backend=backend)
 
 
 def fused_recurrent_gdn2(
@@ -118,19 +109,26 @@ def fused_recurrent_gdn2(
     it for T up to ~64. FLA's version takes ``A_log`` as its 7th positional argument; here everything after
     ``w`` is keyword-only. The xla backend is differentiable (autodiff through the token loop).
     """
-    fn = "fused_recurrent_gdn2"
+    return _run("fused_recurrent_gdn2", _tilelang_ops.fused_recurrent_gdn2, recurrent_forward, q, k, v, g, b, w,
+                scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, backend=backend)
+
+
+def _run(fn, tilelang_impl, xla_impl, q, k, v, g, b, w, *, scale, initial_state, output_final_state,
+         use_qk_l2norm_in_kernel, cu_seqlens, backend):
+    """Shared body of the public ops: validate, pick the backend, run, poison on invalid traced cu_seqlens."""
     _backend.check_backend(backend, fn)
     dims = check_inputs(fn, q, k, v, g, b, w, scale=scale, initial_state=initial_state,
                         cu_seqlens=cu_seqlens, output_final_state=output_final_state,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    be = _pick_backend(backend, fn, q, k, v, g, b, w, dims, initial_state)
-    if be == "tilelang":
-        return _tilelang_ops.fused_recurrent_gdn2(q, k, v, g, b, w, dims=dims, initial_state=initial_state,
-                                                  output_final_state=output_final_state,
-                                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                                  cu_seqlens=cu_seqlens)
-    return recurrent_forward(q, k, v, g, b, w, dims, initial_state, cu_seqlens,
-                             output_final_state, use_qk_l2norm_in_kernel)
+    if _pick_backend(backend, fn, q, k, v, g, b, w, dims, initial_state) == "tilelang":
+        o, ht = tilelang_impl(q, k, v, g, b, w, dims=dims, initial_state=initial_state,
+                              output_final_state=output_final_state,
+                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    else:
+        o, ht = xla_impl(q, k, v, g, b, w, dims, initial_state, cu_seqlens, output_final_state,
+                         use_qk_l2norm_in_kernel)
+    return poison_if_invalid_cu_seqlens(cu_seqlens, dims.T, o, ht)
 
 
 chunk_gdn2.__doc__ += _DOC_ARGS

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._chunk import naive_chunk_gdn2  # re-export (the chunked reference lives in _chunk.py)
-from ._validation import Dims, check_inputs
+from ._validation import Dims, check_inputs, poison_if_invalid_cu_seqlens
 
 __all__ = ["naive_recurrent_gdn2", "naive_chunk_gdn2", "l2norm"]
 
@@ -28,6 +28,10 @@ L2NORM_EPS = 1e-6
 def l2norm(x: jax.Array) -> jax.Array:
     """``x / sqrt(sum(x**2, -1) + 1e-6)`` computed in fp32 (fp64 for fp64 input), cast back to x.dtype."""
     x = jnp.asarray(x)  # canonical dtype (numpy float64 without x64 -> float32)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"l2norm: `x` must be a real floating-point array, got dtype {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("l2norm: `x` must have at least one axis (normalised over the last one)")
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     return (xf * lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
 
@@ -128,8 +132,9 @@ def naive_recurrent_gdn2(
         cu_seqlens=cu_seqlens, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
     )
-    return recurrent_forward(q, k, v, g, b, w, dims, initial_state, cu_seqlens,
-                             output_final_state, use_qk_l2norm_in_kernel)
+    o, ht = recurrent_forward(q, k, v, g, b, w, dims, initial_state, cu_seqlens,
+                              output_final_state, use_qk_l2norm_in_kernel)
+    return poison_if_invalid_cu_seqlens(cu_seqlens, dims.T, o, ht)
 
 
 def recurrent_forward(q, k, v, g, b, w, dims: Dims, initial_state, cu_seqlens,

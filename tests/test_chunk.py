@@ -79,9 +79,15 @@ def test_naive_chunk_other_chunk_sizes(x64, chunk_size):
 
 def test_naive_chunk_bad_chunk_size():
     x = make_inputs(0, 1, 8, 1, 1, 4, 4)
-    for bad in (0, -64, 16.0, True):
+    for bad in (0, -64):
         with pytest.raises(ValueError, match="chunk_size"):
             naive_chunk_gdn2(*(x[n] for n in "qkvgbw"), chunk_size=bad)
+    for bad in (16.0, True, "64"):
+        with pytest.raises(TypeError, match="chunk_size"):
+            naive_chunk_gdn2(*(x[n] for n in "qkvgbw"), chunk_size=bad)
+    o_np, _ = naive_chunk_gdn2(*(x[n] for n in "qkvgbw"), chunk_size=np.int64(4))  # numpy ints are ints
+    o_py, _ = naive_chunk_gdn2(*(x[n] for n in "qkvgbw"), chunk_size=4)
+    np.testing.assert_array_equal(np.asarray(o_np), np.asarray(o_py))
 
 
 # --------------------------------------------------------------------------------------------------

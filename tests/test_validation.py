@@ -338,3 +338,41 @@ def test_numpy_float64_inputs_without_x64(fn_name):
                       dict(kw, initial_state=h0.astype(np.float32)))
     np.testing.assert_allclose(np.asarray(o), np.asarray(o32), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(ht), np.asarray(ht32), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# traced cu_seqlens cannot be checked in Python: invalid ones must give NaN, never a silent wrong answer
+# --------------------------------------------------------------------------------------------------
+_ALL_FNS = [(chunk_gdn2, {"backend": "xla"}), (fused_recurrent_gdn2, {"backend": "xla"}),
+            (naive_chunk_gdn2, {}), (naive_recurrent_gdn2, {})]
+
+
+@pytest.mark.parametrize("fn,kw", _ALL_FNS, ids=lambda x: getattr(x, "__name__", ""))
+def test_traced_invalid_cu_seqlens_poison_outputs(fn, kw):
+    rng = np.random.default_rng(11)
+    T, H, K, V = 8, 2, 4, 4
+    x = [rng.standard_normal((1, T, H, d)).astype(np.float32) for d in (K, K, V)]
+    g = -rng.uniform(0.1, 1, (1, T, H, K)).astype(np.float32)
+    b = rng.uniform(0, 1, (1, T, H, K)).astype(np.float32)
+    w = rng.uniform(0, 1, (1, T, H, V)).astype(np.float32)
+    call = jax.jit(lambda cu: fn(*x, g, b, w, cu_seqlens=cu, output_final_state=True, **kw))
+    o, ht = call(jnp.asarray([0, 3, 8], jnp.int32))  # valid: finite, equal to the eager (checked) call
+    o_ref, ht_ref = fn(*x, g, b, w, cu_seqlens=jnp.asarray([0, 3, 8], jnp.int32), output_final_state=True, **kw)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ht), np.asarray(ht_ref), rtol=1e-5, atol=1e-6)
+    # same length as the valid one, so the same compiled function sees them
+    for bad in ([0, 4, 7], [1, 4, 8], [0, 6, 4], [0, -3, 8], [0, 4, 100]):
+        o, ht = call(jnp.asarray(bad, jnp.int32))
+        assert np.isnan(np.asarray(o)).all(), bad
+        assert np.isnan(np.asarray(ht)).all(), bad
+
+
+def test_l2norm_rejects_non_float_input():
+    from gdn2_jax import l2norm
+
+    np.testing.assert_allclose(np.asarray(l2norm(jnp.asarray([3.0, 4.0]))), [0.6, 0.8], rtol=1e-6)
+    for bad in (jnp.asarray([3, 4]), jnp.asarray([3 + 4j]), jnp.asarray([True, False])):
+        with pytest.raises(TypeError, match="`x`"):
+            l2norm(bad)
+    with pytest.raises(ValueError, match="`x`"):
+        l2norm(jnp.asarray(1.0))
