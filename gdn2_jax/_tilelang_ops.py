@@ -187,7 +187,12 @@ def _call(op, q, k, v, g, b, w, *, dims: Dims, initial_state, output_final_state
     if initial_state is not None:
         arrays.append(initial_state)
     if cu_seqlens is not None:
-        arrays.append(jnp.asarray(cu_seqlens).astype(jnp.int32))
+        cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+        if isinstance(cu_seqlens, jax.core.Tracer):
+            # Traced offsets are unchecked here: keep the kernels' reads in bounds (clip to [0, T], monotone);
+            # ops._run turns the outputs into NaN when the offsets were invalid.
+            cu = jax.lax.cummax(jnp.clip(cu, 0, dims.T), axis=0)
+        arrays.append(cu)
     pipe_kw = (("H", dims.H), ("HV", dims.HV), ("K", dims.K), ("V", dims.V), ("dtype", dt), ("g_dtype", gdt),
                ("scale", float(dims.scale)), ("use_initial_state", initial_state is not None),
                ("output_final_state", bool(output_final_state)), ("varlen", cu_seqlens is not None),
