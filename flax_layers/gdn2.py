@@ -23,9 +23,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gdn2_jax import chunk_gdn2, fused_recurrent_gdn2
+from gdn2_jax._validation import check_inputs
 from gdn2_jax.reference import sequence_ids
 
 __all__ = ["GatedDeltaNet2", "GDN2Cache", "ShortConvolution", "GatedRMSNorm", "nvlabs_kernel_init"]
@@ -52,6 +54,69 @@ class GDN2Cache(NamedTuple):
 
     recurrent_state: jax.Array
     conv_state: tuple[jax.Array, jax.Array, jax.Array] | None
+
+
+# ---- argument checks (Python-level: types, shapes, dtypes; values only of concrete arrays, never traced ones) ----
+_FN = "GatedDeltaNet2"
+
+
+def _check_int(name, value):
+    """A Python/numpy int >= 1 (bool refused) as a Python int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{_FN}: `{name}` must be a Python int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{_FN}: `{name}` must be >= 1, got {value}")
+    return int(value)
+
+
+def _check_positive_float(name, value):
+    """A real number, finite and > 0, as a Python float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{_FN}: `{name}` must be a Python float, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{_FN}: `{name}` must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def _check_bool(name, value):
+    """Python bool or numpy bool_ (strings, ints, None refused: they would be read as truthy/falsy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{_FN}: `{name}` must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _check_float_dtype(name, value):
+    """A floating dtype (anything ``jnp.dtype`` reads: jnp.bfloat16, "float32", np.dtype, ...); returned as given."""
+    try:
+        ok = value is not None and jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise TypeError(f"{_FN}: `{name}` must be a floating-point dtype (e.g. jnp.float32, jnp.bfloat16), "
+                        f"got {value!r}")
+    return value
+
+
+def _check_array(name, a, expected, layout, kinds):
+    """``a`` must be an array of shape ``expected`` (ints must match, str entries are free) and a dtype of ``kinds``."""
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{_FN}: `{name}` must be an array {layout}, got {type(a).__name__}")
+    shape = tuple(a.shape)
+    if len(shape) != len(expected) or any(isinstance(e, int) and s != e for s, e in zip(shape, expected)):
+        want = "(" + ", ".join(map(str, expected)) + ")"
+        raise ValueError(f"{_FN}: `{name}` must have shape {layout} = {want}, got {shape}")
+    if not any(jnp.issubdtype(a.dtype, kind) for kind in kinds):
+        raise TypeError(f"{_FN}: `{name}` must have a {' or '.join(k.__name__ for k in kinds)} dtype, got {a.dtype}")
+
+
+def _concrete_all(a, pred) -> bool:
+    """``all(pred(xp, a))`` for a concrete array (numpy on the host, jax where it lives); True for traced arrays."""
+    if isinstance(a, np.ndarray):
+        return bool(pred(np, a).all())
+    if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+        return True
+    with jax.ensure_compile_time_eval():  # a concrete array closed over inside jit: evaluate, don't stage
+        return bool(jnp.all(pred(jnp, a)))
 
 
 def _meta(sharding, *axes):
@@ -240,7 +305,11 @@ class GatedDeltaNet2(nnx.Module):
     ``[V]``, ``o_proj``.
 
     Raises:
-      ValueError: for inconsistent sizes or unknown option strings.
+      TypeError: for an argument of the wrong type: sizes must be Python ints (not bools), flags Python bools,
+        ``expand_v``/``norm_eps`` real numbers, ``dtype``/``param_dtype`` floating dtypes, ``kernel_init`` a
+        callable, ``rngs`` an ``nnx.Rngs``, ``sharding`` None or a 2-tuple of axis names.
+      ValueError: for sizes < 1, ``expand_v``/``norm_eps`` not finite and > 0, inconsistent sizes or unknown
+        option strings.
 
     Examples::
 
@@ -262,11 +331,30 @@ class GatedDeltaNet2(nnx.Module):
                  mode: str = "chunk", train_mode: str = "chunk", backend: str = "auto", train_backend: str = "xla",
                  deterministic: bool = False, dtype: Any = None, param_dtype: Any = jnp.float32,
                  kernel_init=None, sharding: tuple[str | None, str | None] | None = None, rngs: nnx.Rngs):
-        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        hidden_size, head_dim, num_heads, conv_size = (
+            _check_int(n, v) for n, v in (("hidden_size", hidden_size), ("head_dim", head_dim),
+                                          ("num_heads", num_heads), ("conv_size", conv_size)))
+        num_v_heads = num_heads if num_v_heads is None else _check_int("num_v_heads", num_v_heads)
+        expand_v = _check_positive_float("expand_v", expand_v)
+        norm_eps = _check_positive_float("norm_eps", norm_eps)
+        use_short_conv, conv_bias, allow_neg_eigval, deterministic = (
+            _check_bool(n, v) for n, v in (("use_short_conv", use_short_conv), ("conv_bias", conv_bias),
+                                           ("allow_neg_eigval", allow_neg_eigval), ("deterministic", deterministic)))
+        if dtype is not None:
+            _check_float_dtype("dtype", dtype)
+        _check_float_dtype("param_dtype", param_dtype)
+        if kernel_init is not None and not callable(kernel_init):
+            raise TypeError(f"{_FN}: `kernel_init` must be a callable initialiser (key, shape, dtype) -> array "
+                            f"or None, got {type(kernel_init).__name__} {kernel_init!r}")
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"{_FN}: `rngs` must be an nnx.Rngs, got {type(rngs).__name__}")
+        axes = sharding if isinstance(sharding, (tuple, list)) else ()
+        if sharding is not None and (len(axes) != 2 or not all(
+                a is None or isinstance(a, str) or (isinstance(a, tuple) and all(isinstance(n, str) for n in a))
+                for a in axes)):
+            raise TypeError(f"{_FN}: `sharding` must be None or a 2-tuple (embed_axis, heads_axis) of mesh-axis "
+                            f"names (str, tuple of str or None), got {sharding!r}")
         head_v_dim = int(head_dim * expand_v)
-        if min(hidden_size, head_dim, num_heads, num_v_heads, conv_size) < 1:
-            raise ValueError("GatedDeltaNet2: hidden_size, head_dim, num_heads, num_v_heads and conv_size "
-                             "must be >= 1")
         if not math.isclose(head_dim * expand_v, head_v_dim, rel_tol=1e-5) or head_v_dim < 1:
             raise ValueError(f"GatedDeltaNet2: `expand_v`={expand_v} times head_dim={head_dim} "
                              "is not a positive integer")
@@ -340,8 +428,15 @@ class GatedDeltaNet2(nnx.Module):
 
         Conv windows use ``dtype`` (default: the layer's ``dtype``, else ``param_dtype``); the recurrent state is
         float32 ``[batch_size, HV, K, V]``.
+
+        Raises:
+          TypeError: ``batch_size`` not a Python int (bools refused) or ``dtype`` not a floating dtype.
+          ValueError: ``batch_size`` < 1.
         """
-        dtype = dtype or self.dtype or self.param_dtype
+        batch_size = _check_int("batch_size", batch_size)
+        if dtype is None:
+            dtype = self.param_dtype if self.dtype is None else self.dtype
+        _check_float_dtype("dtype", dtype)
         state = jnp.zeros((batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim), jnp.float32)
         conv = None
         if self.use_short_conv:
@@ -349,49 +444,88 @@ class GatedDeltaNet2(nnx.Module):
                          for dim in (self.key_dim, self.key_dim, self.value_dim))
         return GDN2Cache(state, conv)
 
+    def _check_cache(self, cache, N: int) -> None:
+        """``cache`` must be a :class:`GDN2Cache` made for this layer's sizes and N sequences."""
+        if not isinstance(cache, GDN2Cache):
+            raise TypeError(f"{_FN}: `cache` must be a GDN2Cache (from init_cache or a previous call), "
+                            f"got {type(cache).__name__}")
+        _check_array("cache.recurrent_state", cache.recurrent_state,
+                     (N, self.num_v_heads, self.head_k_dim, self.head_v_dim),
+                     "[N, HV, K, V] (N = sequences in the input)", (jnp.float32, jnp.float64))
+        conv = cache.conv_state
+        if not self.use_short_conv:
+            if conv is not None:
+                raise ValueError(f"{_FN}: `cache.conv_state` must be None: this layer has no short convolutions")
+            return
+        if conv is None:
+            raise ValueError(f"{_FN}: `cache.conv_state` is None, but this layer has short convolutions: pass "
+                             "the (q, k, v) windows (init_cache gives zeros)")
+        if not isinstance(conv, (tuple, list)) or len(conv) != 3:
+            raise TypeError(f"{_FN}: `cache.conv_state` must be a (q, k, v) tuple of windows [N, D, W], "
+                            f"got {type(conv).__name__}")
+        for i, dim in enumerate((self.key_dim, self.key_dim, self.value_dim)):
+            _check_array(f"cache.conv_state[{i}]", conv[i], (N, dim, self.conv_size),
+                         "[N, D, W] (D = channels, W = conv_size)", (jnp.floating,))
+
     def __call__(self, x: jax.Array, *, cache: GDN2Cache | None = None, attention_mask: jax.Array | None = None,
                  cu_seqlens: jax.Array | None = None, deterministic: bool | None = None):
         """Apply the layer to ``x`` ``[B, T, hidden_size]``; return ``(y [B, T, hidden_size], new_cache)``.
 
         Args:
-          x: input; T may be anything >= 1 (also shorter than the conv window).
+          x: input, a floating jax or numpy array (a list raises TypeError: convert it yourself); T may be
+            anything >= 1 (also shorter than the conv window).
           cache: state to continue from (:meth:`init_cache` or a previous call's ``new_cache``), batch N;
             None starts every sequence from zeros. A call with T > 1 on a filled cache continues it (chunked
             prefill); T == 1 is a decode step.
-          attention_mask: ``[B, T]`` bool/int, 1 for real tokens, 0 for padding (left, right or anywhere).
+          attention_mask: ``[B, T]`` bool or integer array, 1/True for real tokens, 0/False for padding (left,
+            right or anywhere).
             Padded positions leave the recurrent state and the conv window untouched (their decay, erase and
             write gates are zeroed and the convolution skips them) and return y = 0.
           cu_seqlens: ``[N + 1]`` int offsets of sequences packed along T (B == 1). Both the recurrent state and
             the conv window reset at every boundary (to ``cache[n]`` when a cache of batch N is given).
-          deterministic: overrides ``self.deterministic`` for this call (True: inference dispatch with
-            ``backend``; False: training, the ``train_mode`` op with ``train_backend``).
+          deterministic: a bool overriding ``self.deterministic`` for this call (True: inference dispatch with
+            ``backend``; False: training, the ``train_mode`` op with ``train_backend``); None (default) uses
+            ``self.deterministic``.
 
         Returns:
           ``(y, new_cache)``: y in the computation dtype; new_cache a :class:`GDN2Cache` of batch N (B, or
           ``len(cu_seqlens) - 1``).
 
         Raises:
-          ValueError: for a wrong input rank/width, a mask of the wrong shape, ``attention_mask`` together
-            with ``cu_seqlens``, ``cu_seqlens`` with B != 1, or a cache of the wrong batch size.
+          TypeError: ``x`` not a floating array (lists are refused, not converted); ``attention_mask`` not a
+            bool/integer array; ``cu_seqlens`` not an integer array; ``cache`` not a :class:`GDN2Cache` or with
+            a recurrent state that is not float32 (float64 under x64) or non-floating conv windows;
+            ``deterministic`` (or ``self.deterministic``) not a bool.
+          ValueError: a wrong ``x`` rank/width; a mask of the wrong shape or, when concrete, with values other
+            than 0/1; ``attention_mask`` together with ``cu_seqlens``; ``cu_seqlens`` not 1-D, with B != 1 or,
+            when concrete, not running from 0 to T without decreasing; a cache whose shapes do not fit this layer
+            and input (the message gives the expected and actual shapes), or without conv windows on a layer
+            with short convolutions; NaN/inf in a concrete ``x``. Traced values are not inspected; under
+            ``jit`` only the shape/dtype checks run.
         """
-        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"GatedDeltaNet2: `x` must be [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        _check_array("x", x, ("B", "T", self.hidden_size), "[B, T, hidden_size]", (jnp.floating,))
         B, T, _ = x.shape
         if attention_mask is not None and cu_seqlens is not None:
-            raise ValueError("GatedDeltaNet2: pass either `attention_mask` or `cu_seqlens`, not both")
-        if cu_seqlens is not None and B != 1:
-            raise ValueError(f"GatedDeltaNet2: with `cu_seqlens` the batch size must be 1, got B={B}")
-        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        if cache is not None and cache.recurrent_state.shape[0] != N:
-            raise ValueError(f"GatedDeltaNet2: `cache` holds {cache.recurrent_state.shape[0]} sequences, "
-                             f"the input has {N}")
-        det = self.deterministic if deterministic is None else deterministic
+            raise ValueError(f"{_FN}: pass either `attention_mask` or `cu_seqlens`, not both")
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        N = B
+        if cu_seqlens is not None:  # the ops' own checks (type, 1-D, integer, B == 1, concrete 0 <= ... <= T)
+            qk, gb, vw = (jax.ShapeDtypeStruct((B, T, h, d), jnp.float32) for h, d in ((H, K), (HV, K), (HV, V)))
+            check_inputs(_FN, qk, qk, vw, gb, gb, vw, scale=None, initial_state=None, cu_seqlens=cu_seqlens,
+                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+            N = cu_seqlens.shape[0] - 1
+        det = _check_bool("deterministic", self.deterministic if deterministic is None else deterministic)
+        if attention_mask is not None:
+            _check_array("attention_mask", attention_mask, (B, T), "[B, T]", (jnp.bool_, jnp.integer))
+            if not _concrete_all(attention_mask, lambda xp, m: (m == 0) | (m == 1)):
+                raise ValueError(f"{_FN}: `attention_mask` must hold only 0 (padding) and 1 (real token)")
+        if cache is not None:
+            self._check_cache(cache, N)
+        if not _concrete_all(x, lambda xp, a: xp.isfinite(a)):
+            raise ValueError(f"{_FN}: `x` contains NaN or inf")
 
         lengths = restore = None
         if attention_mask is not None:
-            if tuple(attention_mask.shape) != (B, T):
-                raise ValueError(f"GatedDeltaNet2: `attention_mask` must be [B, T] = {(B, T)}, "
-                                 f"got {tuple(attention_mask.shape)}")
             # Move each row's real tokens to its front (stable), so the conv reads only real tokens and the
             # padded tail can be disabled with zero gates; the outputs are moved back at the end.
             mask = attention_mask.astype(bool)
@@ -411,7 +545,6 @@ class GatedDeltaNet2(nnx.Module):
         else:
             q, k, v = (jax.nn.silu(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
 
-        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         f = self.f_proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * jax.nn.softplus(f).reshape(B, T, H, K)
         b = jax.nn.sigmoid(self.b_proj(x)).reshape(B, T, H, K)

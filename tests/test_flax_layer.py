@@ -8,6 +8,7 @@ op `naive_recurrent_gdn2`. It shares no code with flax_layers.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -374,3 +375,92 @@ def test_sharding_metadata_on_parameters():
     assert meta[("v_conv1d", "kernel")] == (None, "model")
     assert meta[("A_log",)] == ("model",)
     assert np.all(np.isfinite(np.asarray(y)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Argument validation: every bad input raises a TypeError/ValueError naming the argument, before any computation.
+def _small(**kw):
+    return GatedDeltaNet2(D_MODEL, head_dim=HEAD_DIM, num_heads=H, rngs=nnx.Rngs(0), **kw)
+
+
+def _swap_cache(layer, **fields):
+    return layer.init_cache(2)._replace(**fields)
+
+
+_X = rand_x(30, 2, 5)
+_BAD_CALLS = [  # (id, call(layer), exception, argument named in the message)
+    ("deterministic-str-call", lambda m: m(_X, deterministic="no"), TypeError, "deterministic"),
+    ("deterministic-int-call", lambda m: m(_X, deterministic=1), TypeError, "deterministic"),
+    ("deterministic-str-ctor", lambda m: _small(deterministic="False"), TypeError, "deterministic"),
+    ("norm_eps-zero", lambda m: _small(norm_eps=0.0), ValueError, "norm_eps"),
+    ("norm_eps-nan", lambda m: _small(norm_eps=float("nan")), ValueError, "norm_eps"),
+    ("mask-float-half", lambda m: m(_X, attention_mask=jnp.full((2, 5), 0.5)), TypeError, "attention_mask"),
+    ("mask-complex", lambda m: m(_X, attention_mask=jnp.ones((2, 5), jnp.complex64)), TypeError, "attention_mask"),
+    ("mask-int-minus1", lambda m: m(_X, attention_mask=np.full((2, 5), -1)), ValueError, "attention_mask"),
+    ("mask-int-2", lambda m: m(_X, attention_mask=jnp.full((2, 5), 2)), ValueError, "attention_mask"),
+    ("mask-list", lambda m: m(_X, attention_mask=[[1] * 5] * 2), TypeError, "attention_mask"),
+    ("cu_seqlens-list", lambda m: m(_X[:1], cu_seqlens=[0, 2, 5]), TypeError, "cu_seqlens"),
+    ("cu_seqlens-2d", lambda m: m(_X[:1], cu_seqlens=jnp.array([[0, 5]])), ValueError, "cu_seqlens"),
+    ("cu_seqlens-end", lambda m: m(_X[:1], cu_seqlens=jnp.array([0, 4])), ValueError, "cu_seqlens"),
+    ("x-list", lambda m: m(np.asarray(_X).tolist()), TypeError, "x"),
+    ("x-int", lambda m: m(jnp.ones((2, 5, D_MODEL), jnp.int32)), TypeError, "x"),
+    ("cache-tuple", lambda m: m(_X, cache=tuple(m.init_cache(2))), TypeError, "cache"),
+    ("cache-dict", lambda m: m(_X, cache=m.init_cache(2)._asdict()), TypeError, "cache"),
+    ("cache-conv-width", lambda m: m(_X, cache=_swap_cache(m, conv_state=tuple(
+        c[..., 1:] for c in m.init_cache(2).conv_state))), ValueError, "cache.conv_state[0]"),
+    ("cache-conv-channels", lambda m: m(_X, cache=_swap_cache(m, conv_state=(
+        jnp.zeros((2, 3, 4)),) * 3)), ValueError, "cache.conv_state[0]"),
+    ("cache-other-head_dim", lambda m: m(_X, cache=GatedDeltaNet2(D_MODEL, head_dim=4, num_heads=H,
+                                                                 rngs=nnx.Rngs(0)).init_cache(2)),
+     ValueError, "cache.recurrent_state"),
+    ("cache-bf16-state", lambda m: m(_X, cache=_swap_cache(m, recurrent_state=jnp.zeros(
+        (2, H, HEAD_DIM, HEAD_DIM), jnp.bfloat16))), TypeError, "cache.recurrent_state"),
+    ("cache-conv-None", lambda m: m(_X, cache=_swap_cache(m, conv_state=None)), ValueError, "cache.conv_state"),
+    ("x-nan", lambda m: m(_X.at[1, 3, 4].set(jnp.nan)), ValueError, "x"),
+    ("x-inf-numpy", lambda m: m(np.asarray(_X.at[0, 0, 0].set(-jnp.inf))), ValueError, "x"),
+    ("hidden_size-str", lambda m: GatedDeltaNet2("a", rngs=nnx.Rngs(0)), TypeError, "hidden_size"),
+    ("hidden_size-float", lambda m: GatedDeltaNet2(32.0, rngs=nnx.Rngs(0)), TypeError, "hidden_size"),
+    ("conv_size-float", lambda m: _small(conv_size=2.5), TypeError, "conv_size"),
+    ("num_heads-bool", lambda m: GatedDeltaNet2(D_MODEL, num_heads=True, rngs=nnx.Rngs(0)), TypeError, "num_heads"),
+    ("head_dim-zero", lambda m: GatedDeltaNet2(D_MODEL, head_dim=0, rngs=nnx.Rngs(0)), ValueError, "head_dim"),
+    ("expand_v-str", lambda m: _small(expand_v="2"), TypeError, "expand_v"),
+    ("sharding-1-tuple", lambda m: _small(sharding=("embed",)), TypeError, "sharding"),
+    ("kernel_init-str", lambda m: _small(kernel_init="xavier"), TypeError, "kernel_init"),
+    ("rngs-None", lambda m: GatedDeltaNet2(D_MODEL, head_dim=HEAD_DIM, num_heads=H, rngs=None), TypeError, "rngs"),
+    ("dtype-int32", lambda m: _small(dtype=jnp.int32), TypeError, "dtype"),
+    ("param_dtype-int8", lambda m: _small(param_dtype=jnp.int8), TypeError, "param_dtype"),
+    ("use_short_conv-str", lambda m: _small(use_short_conv="no"), TypeError, "use_short_conv"),
+    ("allow_neg_eigval-int", lambda m: _small(allow_neg_eigval=2), TypeError, "allow_neg_eigval"),
+    ("batch_size-negative", lambda m: m.init_cache(-1), ValueError, "batch_size"),
+    ("batch_size-float", lambda m: m.init_cache(2.5), TypeError, "batch_size"),
+    ("batch_size-str", lambda m: m.init_cache("a"), TypeError, "batch_size"),
+]
+
+
+@pytest.fixture(scope="module")
+def small_layer():
+    return make_layer(31, randomize=False)
+
+
+@pytest.mark.parametrize("call,exc,name", [c[1:] for c in _BAD_CALLS], ids=[c[0] for c in _BAD_CALLS])
+def test_bad_arguments_name_the_argument(small_layer, call, exc, name):
+    with pytest.raises(exc, match=re.escape(f"`{name}`")):
+        call(small_layer)
+
+
+def test_valid_argument_variants_agree():
+    """Integer masks, numpy inputs, np.bool_ flags and traced masks under nnx.jit give the bool-mask result."""
+    layer = make_layer(32)
+    x = rand_x(33, 2, 7)
+    mask = np.ones((2, 7), bool)
+    mask[0, :3] = False
+    mask[1, 5:] = False
+    y_ref, c_ref = layer(x, attention_mask=jnp.asarray(mask), deterministic=True)
+    assert float(jnp.sqrt(jnp.mean(y_ref ** 2))) > 1e-2
+    y_int, c_int = layer(np.asarray(x), attention_mask=mask.astype(np.int32), deterministic=np.bool_(True))
+    assert ratio(y_ref, y_int) <= 1e-6
+    assert_cache_close(c_ref, c_int, 1e-6)
+    y_jit, c_jit = nnx.jit(lambda m, x, am: m(x, attention_mask=am, deterministic=True))(
+        layer, x, jnp.asarray(mask, jnp.int8))
+    assert ratio(y_ref, y_jit) <= 1e-5
+    assert_cache_close(c_ref, c_jit, 1e-5)
