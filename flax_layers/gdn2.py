@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from gdn2_jax import chunk_gdn2, fused_recurrent_gdn2
-from gdn2_jax._validation import check_inputs
+from gdn2_jax._validation import check_inputs, check_positive_float
 from gdn2_jax.reference import sequence_ids
 
 __all__ = ["GatedDeltaNet2", "GDN2Cache", "ShortConvolution", "GatedRMSNorm", "nvlabs_kernel_init"]
@@ -67,15 +67,6 @@ def _check_int(name, value):
     if value < 1:
         raise ValueError(f"{_FN}: `{name}` must be >= 1, got {value}")
     return int(value)
-
-
-def _check_positive_float(name, value):
-    """A real number, finite and > 0, as a Python float."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{_FN}: `{name}` must be a Python float, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{_FN}: `{name}` must be a finite number > 0, got {value}")
-    return float(value)
 
 
 def _check_bool(name, value):
@@ -335,8 +326,8 @@ class GatedDeltaNet2(nnx.Module):
             _check_int(n, v) for n, v in (("hidden_size", hidden_size), ("head_dim", head_dim),
                                           ("num_heads", num_heads), ("conv_size", conv_size)))
         num_v_heads = num_heads if num_v_heads is None else _check_int("num_v_heads", num_v_heads)
-        expand_v = _check_positive_float("expand_v", expand_v)
-        norm_eps = _check_positive_float("norm_eps", norm_eps)
+        expand_v = check_positive_float(_FN, "expand_v", expand_v)
+        norm_eps = check_positive_float(_FN, "norm_eps", norm_eps)
         use_short_conv, conv_bias, allow_neg_eigval, deterministic = (
             _check_bool(n, v) for n, v in (("use_short_conv", use_short_conv), ("conv_bias", conv_bias),
                                            ("allow_neg_eigval", allow_neg_eigval), ("deterministic", deterministic)))

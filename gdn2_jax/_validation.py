@@ -181,21 +181,24 @@ def check_inputs(
     )
 
 
+def check_positive_float(fn: str, name: str, value) -> float:
+    """``value`` as a Python float: a static real number (not bool), finite and > 0 (TypeError / ValueError)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{fn}: `{name}` must be a static Python float, got a traced value")
+    is_real_array = (hasattr(value, "dtype") and getattr(value, "shape", None) == ()
+                     and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)))
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, float, np.integer, np.floating))
+                                                  or is_real_array):
+        raise TypeError(f"{fn}: `{name}` must be a Python float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{fn}: `{name}` must be a finite number > 0, got {value}")
+    return value
+
+
 def _check_scale(fn: str, scale, K: int) -> float:
     """``scale`` as a Python float (default ``K ** -0.5``); must be a real number, finite and > 0."""
-    if scale is None:
-        return K ** -0.5
-    if isinstance(scale, jax.core.Tracer):
-        raise TypeError(f"{fn}: `scale` must be a static Python float, got a traced value")
-    is_real_array = (hasattr(scale, "dtype") and getattr(scale, "shape", None) == ()
-                     and (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)))
-    if isinstance(scale, (bool, np.bool_)) or not (isinstance(scale, (int, float, np.integer, np.floating))
-                                                  or is_real_array):
-        raise TypeError(f"{fn}: `scale` must be a Python float, got {type(scale).__name__} {scale!r}")
-    scale = float(scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{fn}: `scale` must be a finite number > 0, got {scale}")
-    return scale
+    return K ** -0.5 if scale is None else check_positive_float(fn, "scale", scale)
 
 
 def check_finite_gates(fn: str, g, b, w) -> None:
