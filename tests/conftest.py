@@ -11,7 +11,16 @@
 
 from __future__ import annotations
 
-import jax
+import os
+
+# XLA's CPU runtime can wedge in its multi-threaded Eigen pool while materialising a result (seen here once:
+# a test_chunk_grad case parked every thread on a futex in BlockUntilReady at load 0 and CI hung; a public
+# report, PyAutoLabs/PyAutoFit#1528, found the same wedge and this flag as the cure). Single-threaded Eigen;
+# set before JAX initialises its CPU backend.
+if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+
+import jax  # noqa: E402
 import pytest
 
 _X64_AT_START: bool | None = None
