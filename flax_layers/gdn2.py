@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from gdn2_jax import chunk_gdn2, fused_recurrent_gdn2
-from gdn2_jax._validation import check_inputs, check_positive_float
+from gdn2_jax._validation import check_inputs, check_positive_float, concrete_all
 from gdn2_jax.reference import sequence_ids
 
 __all__ = ["GatedDeltaNet2", "GDN2Cache", "ShortConvolution", "GatedRMSNorm", "nvlabs_kernel_init"]
@@ -98,16 +98,6 @@ def _check_array(name, a, expected, layout, kinds):
         raise ValueError(f"{_FN}: `{name}` must have shape {layout} = {want}, got {shape}")
     if not any(jnp.issubdtype(a.dtype, kind) for kind in kinds):
         raise TypeError(f"{_FN}: `{name}` must have a {' or '.join(k.__name__ for k in kinds)} dtype, got {a.dtype}")
-
-
-def _concrete_all(a, pred) -> bool:
-    """``all(pred(xp, a))`` for a concrete array (numpy on the host, jax where it lives); True for traced arrays."""
-    if isinstance(a, np.ndarray):
-        return bool(pred(np, a).all())
-    if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
-        return True
-    with jax.ensure_compile_time_eval():  # a concrete array closed over inside jit: evaluate, don't stage
-        return bool(jnp.all(pred(jnp, a)))
 
 
 def _meta(sharding, *axes):
@@ -508,11 +498,11 @@ class GatedDeltaNet2(nnx.Module):
         det = _check_bool("deterministic", self.deterministic if deterministic is None else deterministic)
         if attention_mask is not None:
             _check_array("attention_mask", attention_mask, (B, T), "[B, T]", (jnp.bool_, jnp.integer))
-            if not _concrete_all(attention_mask, lambda xp, m: (m == 0) | (m == 1)):
+            if not concrete_all(attention_mask, lambda xp, m: (m == 0) | (m == 1)):
                 raise ValueError(f"{_FN}: `attention_mask` must hold only 0 (padding) and 1 (real token)")
         if cache is not None:
             self._check_cache(cache, N)
-        if not _concrete_all(x, lambda xp, a: xp.isfinite(a)):
+        if not concrete_all(x, lambda xp, a: xp.isfinite(a)):
             raise ValueError(f"{_FN}: `x` contains NaN or inf")
 
         lengths = restore = None

@@ -201,24 +201,23 @@ def _check_scale(fn: str, scale, K: int) -> float:
     return K ** -0.5 if scale is None else check_positive_float(fn, "scale", scale)
 
 
+def concrete_all(a, pred) -> bool:
+    """``all(pred(xp, a))`` for a concrete array: numpy on the host (no device transfer), a jax array by one
+    reduction where it lives (also when closed over inside a jit trace). True for traced arrays and non-arrays
+    (e.g. ``jax.ShapeDtypeStruct``), which cannot be inspected."""
+    if isinstance(a, np.ndarray):
+        return bool(pred(np, a).all())
+    if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+        return True
+    with jax.ensure_compile_time_eval():  # evaluate now rather than stage into the surrounding trace
+        return bool(jnp.all(pred(jnp, a)))
+
+
 def check_finite_gates(fn: str, g, b, w) -> None:
     """Raise ``ValueError`` if a *concrete* gate holds NaN/inf. Traced gates are not inspected.
-
-    numpy gates are checked on the host (no device transfer); concrete jax arrays by a reduction where
-    they live. Called by :func:`check_inputs`.
-    """
+    Called by :func:`check_inputs`."""
     for name, x in (("g", g), ("b", b), ("w", w)):
-        if not _is_concrete(x) or not hasattr(x, "dtype"):
-            continue
-        if isinstance(x, np.ndarray):
-            ok = bool(np.isfinite(x).all())
-        elif isinstance(x, jax.Array):
-            # A concrete array closed over inside a jit trace would otherwise stage the reduction.
-            with jax.ensure_compile_time_eval():
-                ok = bool(jnp.all(jnp.isfinite(x)))
-        else:  # e.g. jax.ShapeDtypeStruct: nothing to inspect
-            continue
-        if not ok:
+        if not concrete_all(x, lambda xp, a: xp.isfinite(a)):
             raise ValueError(f"{fn}: `{name}` contains NaN or inf")
 
 
