@@ -5,7 +5,7 @@ state ``S0`` and within-chunk cumulative log-decay ``G_r = Σ_{i≤r} g_i``::
 
     Γ_rs   = exp(G_r − G_s)            for s ≤ r only (exponent masked BEFORE exp, then multiplied by the mask)
     T_rs   = Σ_d b_rd k_rd k_sd Γ_rsd   (s < r)          Aqk_rs = scale Σ_d q_rd k_sd Γ_rsd   (s ≤ r)
-    A      = (I + T)^-1                 (unit lower triangular; triangular solve)
+    A      = (I + T)^-1                 (unit lower triangular; block inversion by matmuls, ``_unit_lower_inverse``)
     Y      = A Ē,  Ē_r = exp(G_r)⊙b_r⊙k_r                U = A Z,  Z_r = w_r⊙v_r
     R      = U − Y S0                   (FLA ``v_new``)
     O      = scale (exp(G)⊙Q) S0 + Aqk R
@@ -70,6 +70,37 @@ def _segment_sums(g):
     return lax.associative_scan(jnp.add, terms, axis=terms.ndim - 3)
 
 
+def _unit_lower_inverse(T):
+    """(I + T)^-1 for strictly lower-triangular T ``[..., C, C]``, by recursive 2x2 block inversion.
+
+    ``[[A, 0], [X, B]]^-1 = [[A^-1, 0], [-B^-1 X A^-1, B^-1]]``, merged level by level from 1x1 diagonal blocks
+    (each 1) up to C x C: log2(C) rounds of two batched matmuls, the same products forward substitution forms,
+    in a different order. Used instead of ``lax.linalg.triangular_solve`` because jaxlib's CPU triangular
+    solve (``TriMatrixEquationSolverKernel``, jaxlib 0.10) fans out into the XLA intra-op thread pool it
+    already runs on and waits there: two such solves in parallel on a 2-thread pool deadlock (seen here twice,
+    every thread parked on a futex). Matmuls also suit accelerators better than a 64-step substitution.
+    C need not be a power of two: the matrix is padded with an identity block, whose inverse is itself.
+    """
+    C = T.shape[-1]
+    P = 1 << max(0, (C - 1).bit_length())
+    M = jnp.eye(P, dtype=T.dtype) + jnp.pad(T, [(0, 0)] * (T.ndim - 2) + [(0, P - C), (0, P - C)])
+    batch = M.shape[:-2]
+    inv = jnp.ones(batch + (P, 1, 1), T.dtype)  # inverses of the 1x1 diagonal blocks
+    s = 1
+    while s < P:
+        n = P // (2 * s)
+        Mb = M.reshape(batch + (n, 2 * s, n, 2 * s))
+        diag = jnp.moveaxis(jnp.diagonal(Mb, axis1=-4, axis2=-2), -1, -3)  # [..., n, 2s, 2s]
+        X = diag[..., s:, :s]
+        Ai, Bi = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        lower = -_ein("...ij,...jk,...kl->...il", Bi, X, Ai)
+        top = jnp.concatenate([Ai, jnp.zeros_like(Ai)], axis=-1)
+        bottom = jnp.concatenate([lower, Bi], axis=-1)
+        inv = jnp.concatenate([top, bottom], axis=-2)
+        s *= 2
+    return inv[..., 0, :C, :C]
+
+
 def _pairwise_decay(D):
     """Γ[..., r, s, d] = exp(D[..., r, s, d]) for s ≤ r, else exactly 0 (exponent masked first)."""
     incl = _masks(D.shape[-3])[0][:, :, None]
@@ -103,8 +134,7 @@ def _intra(q, k, v, g, b, w, scale):
     Gam = _pairwise_decay(D)
     Aqk = scale * _ein("...rd,...sd,...rsd->...rs", q, k, Gam)
     T = _ein("...rd,...sd,...rsd->...rs", b * k, k, Gam) * strict.astype(G.dtype)
-    eye = jnp.broadcast_to(jnp.eye(C, dtype=G.dtype), T.shape)
-    A = lax.linalg.triangular_solve(eye + T, eye, left_side=True, lower=True, unit_diagonal=True)
+    A = _unit_lower_inverse(T)
     gam = jnp.exp(G)
     GC = G[..., -1, :]
     tail = jnp.exp(D[..., -1, :, :])  # exp(G_C − G_r), as a segment sum

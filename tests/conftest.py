@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 
-# XLA's CPU runtime can wedge in its multi-threaded Eigen pool while materialising a result (seen here once:
-# a test_chunk_grad case parked every thread on a futex in BlockUntilReady at load 0 and CI hung; a public
-# report, PyAutoLabs/PyAutoFit#1528, found the same wedge and this flag as the cure). Single-threaded Eigen;
-# set before JAX initialises its CPU backend.
+# XLA's CPU runtime can wedge in its multi-threaded Eigen pool while materialising a result (a public report,
+# PyAutoLabs/PyAutoFit#1528, found this flag as the cure for Eigen ops that re-enter the pool). Single-threaded
+# Eigen; set before JAX initialises its CPU backend. (The other wedge seen here, jaxlib's CPU triangular-solve
+# custom call re-entering the intra-op pool, is not covered by this flag; the library no longer emits it, see
+# test_chunk.py::test_cpu_program_has_no_custom_calls.)
 if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 

@@ -217,3 +217,23 @@ def test_no_tokens_final_state_is_initial_state(impl, varlen):
     assert o.shape == (1, 0, 2, 3)
     np.testing.assert_array_equal(np.asarray(ht), np.asarray(x["h0"]))
     np.testing.assert_array_equal(np.asarray(dh0), np.asarray(dht))
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_cpu_program_has_no_custom_calls(impl):
+    """The compiled CPU program (forward and backward) is plain XLA ops: no jaxlib CPU custom call.
+
+    jaxlib 0.10's CPU triangular solve is a custom call that fans out into the XLA intra-op pool it runs on and
+    waits there; two of them in parallel deadlocked a 2-core CI machine. The (I + T)^-1 solve is therefore
+    built from matmuls (``_chunk._unit_lower_inverse``); this keeps any such custom call from coming back.
+    """
+    x = make_inputs(3, 1, 70, 1, 2, 8, 6, jnp.float32)
+
+    def loss(q, k, v, g, b, w, h0):
+        o, ht = IMPLS[impl](q, k, v, g, b, w, initial_state=h0, output_final_state=True)
+        return jnp.sum(o) + jnp.sum(ht)
+
+    args = tuple(x[n] for n in "qkvgbw") + (x["h0"],)
+    hlo = jax.jit(jax.grad(loss, argnums=tuple(range(7)))).lower(*args).compile().as_text()
+    assert "dot(" in hlo or "dot." in hlo, "expected matmuls in the compiled program"
+    assert "custom-call" not in hlo, [ln for ln in hlo.splitlines() if "custom-call" in ln][:3]
