@@ -1,6 +1,6 @@
 """Flax NNX Gated DeltaNet-2 (GDN-2) token-mixing layer with an explicit prefill/decode cache.
 
-Structure and parameterisation follow the reference layers (spec §4): NVlabs ``lit_gpt/gdn2.py`` (the paper's
+Structure and parameterisation follow the reference layers: NVlabs ``lit_gpt/gdn2.py`` (the paper's
 code, Hatamizadeh, Choi, Kautz, arXiv:2605.22791) and FLA's ``fla/layers/gdn2.py`` (flash-linear-attention
 0.6.0), which differ only in the output-gate activation (SiLU in the paper / NVlabs, sigmoid in FLA) and the
 initialisation. Per token ``x`` (``[hidden_size]``):
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn2_jax import chunk_gdn2, fused_recurrent_gdn2
+from gdn2_jax import _backend, chunk_gdn2, fused_recurrent_gdn2
 from gdn2_jax._validation import check_inputs, check_positive_float, concrete_all
 from gdn2_jax.reference import sequence_ids
 
@@ -348,8 +348,8 @@ class GatedDeltaNet2(nnx.Module):
             if md not in ("chunk", "fused_recurrent"):
                 raise ValueError(f"GatedDeltaNet2: `{name}` must be 'chunk' or 'fused_recurrent', got {md!r}")
         for name, be in (("backend", backend), ("train_backend", train_backend)):
-            if be not in ("auto", "xla", "tilelang"):
-                raise ValueError(f"GatedDeltaNet2: `{name}` must be 'auto', 'xla' or 'tilelang', got {be!r}")
+            if not isinstance(be, str) or be not in _backend.BACKENDS:
+                raise ValueError(f"GatedDeltaNet2: `{name}` must be one of {_backend.BACKENDS}, got {be!r}")
 
         self.hidden_size = hidden_size
         self.head_dim = self.head_k_dim = head_dim
@@ -483,6 +483,9 @@ class GatedDeltaNet2(nnx.Module):
             and input (the message gives the expected and actual shapes), or without conv windows on a layer
             with short convolutions; NaN/inf in a concrete ``x``. Traced values are not inspected; under
             ``jit`` only the shape/dtype checks run.
+          NotImplementedError: the backend this call uses (``backend``, or ``train_backend`` when training) is
+            ``"tilelang"`` and its kernels cannot run here (no cuda extra or no Hopper GPU); raised before any
+            computation.
         """
         _check_array("x", x, ("B", "T", self.hidden_size), "[B, T, hidden_size]", (jnp.floating,))
         B, T, _ = x.shape
@@ -504,6 +507,18 @@ class GatedDeltaNet2(nnx.Module):
             self._check_cache(cache, N)
         if not concrete_all(x, lambda xp, a: xp.isfinite(a)):
             raise ValueError(f"{_FN}: `x` contains NaN or inf")
+        if det:
+            use_recurrent = T <= 64 or self.mode == "fused_recurrent"
+        else:
+            use_recurrent = self.train_mode == "fused_recurrent"
+        op = fused_recurrent_gdn2 if use_recurrent else chunk_gdn2
+        backend_arg = "backend" if det else "train_backend"
+        backend = getattr(self, backend_arg)
+        if backend == "tilelang":  # fail before the projections run, naming the layer's argument
+            why = _backend.tilelang_unavailable_reason(op.__name__)
+            if why is not None:
+                raise NotImplementedError(f"{_FN}: `{backend_arg}`='tilelang' cannot run here ({op.__name__}): "
+                                          f"{why}; use 'xla' or 'auto'")
 
         lengths = restore = None
         if attention_mask is not None:
@@ -542,14 +557,9 @@ class GatedDeltaNet2(nnx.Module):
             b = jnp.where(live, b, jnp.zeros_like(b))
             w = jnp.where(live, w, jnp.zeros_like(w))
 
-        if det:
-            use_recurrent = T <= 64 or self.mode == "fused_recurrent"
-        else:
-            use_recurrent = self.train_mode == "fused_recurrent"
-        op = fused_recurrent_gdn2 if use_recurrent else chunk_gdn2
         o, state = op(q, k, v, g, b, w, initial_state=None if cache is None else cache.recurrent_state,
                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-                      backend=self.backend if det else self.train_backend)
+                      backend=backend)
 
         gate = self.g_proj(x).reshape(B, T, HV, V)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * V))

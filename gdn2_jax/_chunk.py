@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._validation import Dims, check_inputs, poison_if_invalid_cu_seqlens
+from ._validation import Dims, check_inputs, run_poisoned_if_invalid_cu_seqlens
 
 __all__ = ["naive_chunk_gdn2", "chunk_forward_xla", "CHUNK_SIZE"]
 
@@ -402,8 +402,8 @@ def naive_chunk_gdn2(
       chunk_size: chunk length C (a positive int; FLA fixes 64).
 
     Returns:
-      ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state in float32 (float64 under x64) or
-      None when ``output_final_state`` is False.
+      ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state in float32 (float64 under x64 when
+      any input is float64), or None when ``output_final_state`` is False.
 
     Raises:
       ValueError / TypeError naming the argument for bad shapes, dtypes or values (``chunk_size`` included).
@@ -416,6 +416,8 @@ def naive_chunk_gdn2(
         raise TypeError(f"{fn}: `chunk_size` must be a positive int, got {type(chunk_size).__name__} {chunk_size!r}")
     if chunk_size < 1:
         raise ValueError(f"{fn}: `chunk_size` must be a positive int, got {chunk_size!r}")
-    o, ht = _chunked(_naive_core, q, k, v, g, b, w, dims, initial_state, cu_seqlens, output_final_state,
-                     use_qk_l2norm_in_kernel, int(chunk_size))
-    return poison_if_invalid_cu_seqlens(cu_seqlens, dims.T, o, ht)
+    def run(q, k, v, g, b, w, h0):
+        return _chunked(_naive_core, q, k, v, g, b, w, dims, h0, cu_seqlens, output_final_state,
+                        use_qk_l2norm_in_kernel, int(chunk_size))
+
+    return run_poisoned_if_invalid_cu_seqlens(cu_seqlens, dims.T, run, q, k, v, g, b, w, initial_state)

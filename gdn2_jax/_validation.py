@@ -221,19 +221,24 @@ def check_finite_gates(fn: str, g, b, w) -> None:
             raise ValueError(f"{fn}: `{name}` contains NaN or inf")
 
 
-def poison_if_invalid_cu_seqlens(cu_seqlens, T: int, o, final_state):
-    """Turn the outputs into NaN when *traced* ``cu_seqlens`` are invalid (never a silent wrong answer).
+def run_poisoned_if_invalid_cu_seqlens(cu_seqlens, T: int, run, q, k, v, g, b, w, initial_state):
+    """``run(q, k, v, g, b, w, initial_state) -> (o, final_state)``, NaN throughout if *traced* cu_seqlens are invalid.
 
     Concrete ``cu_seqlens`` were already checked by :func:`check_inputs` (a ``ValueError`` before anything
     runs). Traced ones (under ``jit``/``vmap``) cannot be inspected in Python, so validity — starts at 0,
-    non-decreasing, ends at T — is computed on the device, and ``o`` / ``final_state`` become NaN if it fails.
+    non-decreasing, ends at T — is computed on the device, and the inputs and outputs are multiplied by 1, or by
+    NaN if it fails: ``o`` and ``final_state`` become NaN, and so does the gradient with respect to every input
+    (a ``jnp.where`` on the outputs alone would pass zero cotangents back, a silently all-zero gradient; the
+    product on the inputs also reaches tokens that no sequence reads). Never a silent wrong answer.
     """
     if cu_seqlens is None or _is_concrete(cu_seqlens):
-        return o, final_state
+        return run(q, k, v, g, b, w, initial_state)
     cu = cu_seqlens.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
     valid = (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] == T)
+    factor = jnp.where(valid, 1.0, jnp.nan)
 
     def poison(x):
-        return None if x is None else jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype))
+        return None if x is None else x * factor.astype(x.dtype)
 
+    o, final_state = run(*(poison(x) for x in (q, k, v, g, b, w, initial_state)))
     return poison(o), poison(final_state)

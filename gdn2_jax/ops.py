@@ -12,7 +12,7 @@ import jax
 
 from . import _backend, _tilelang_ops
 from ._chunk import chunk_forward_xla
-from ._validation import check_inputs, poison_if_invalid_cu_seqlens
+from ._validation import check_inputs, run_poisoned_if_invalid_cu_seqlens
 from .reference import recurrent_forward
 
 __all__ = ["chunk_gdn2", "fused_recurrent_gdn2"]
@@ -40,20 +40,21 @@ _DOC_ARGS = """
       w: ``[B, T, HV, V]`` activated write gate, in [0, 1].
       scale: positive float multiplying q; default ``K ** -0.5``.
       initial_state: ``[N, HV, K, V]`` float32 state per sequence (N = B, or ``len(cu_seqlens) - 1``);
-        default zeros.
-      output_final_state: if True also return the final state ``[N, HV, K, V]`` (float32).
+        default zeros. float64 is accepted; under x64 it makes the math float64 (without x64, float32).
+      output_final_state: if True also return the final state ``[N, HV, K, V]`` (in the compute dtype, below).
       use_qk_l2norm_in_kernel: L2-normalise q and k over K first (``x * rsqrt(sum x^2 + 1e-6)`` in fp32).
       cu_seqlens: ``[N + 1]`` int32/int64 offsets of sequences packed along T (requires B == 1). Each sequence
         starts from ``initial_state[n]`` (or zero); zero-length sequences are allowed. Concrete offsets are
         checked in Python (ValueError); traced ones are checked on the device, and invalid ones (not starting
-        at 0, decreasing, or not ending at T) make ``o`` and ``final_state`` NaN.
+        at 0, decreasing, or not ending at T) make ``o``, ``final_state`` and their gradients NaN.
       backend: ``"xla"`` (pure jnp, any device, differentiable), ``"tilelang"`` (TileLang kernels on NVIDIA
         Hopper GPUs), or ``"auto"`` (tilelang where it is available and supports the inputs' dtypes and head
         dims, else xla).
 
     Returns:
-      ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[N, HV, K, V]`` float32 (float64
-      under x64 with float64 inputs), or None when ``output_final_state`` is False.
+      ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[N, HV, K, V]`` float32, or float64
+      when x64 is enabled and any input (``initial_state`` included) is float64; None when
+      ``output_final_state`` is False.
 
     Raises:
       TypeError / ValueError, naming the argument, for wrong shapes, dtypes or values (checked in Python
@@ -122,13 +123,14 @@ def _run(fn, tilelang_impl, xla_impl, q, k, v, g, b, w, *, scale, initial_state,
                         cu_seqlens=cu_seqlens, output_final_state=output_final_state,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if _pick_backend(backend, fn, q, k, v, g, b, w, dims, initial_state) == "tilelang":
-        o, ht = tilelang_impl(q, k, v, g, b, w, dims=dims, initial_state=initial_state,
-                              output_final_state=output_final_state,
-                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+        def run(q, k, v, g, b, w, h0):
+            return tilelang_impl(q, k, v, g, b, w, dims=dims, initial_state=h0,
+                                 output_final_state=output_final_state,
+                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
     else:
-        o, ht = xla_impl(q, k, v, g, b, w, dims, initial_state, cu_seqlens, output_final_state,
-                         use_qk_l2norm_in_kernel)
-    return poison_if_invalid_cu_seqlens(cu_seqlens, dims.T, o, ht)
+        def run(q, k, v, g, b, w, h0):
+            return xla_impl(q, k, v, g, b, w, dims, h0, cu_seqlens, output_final_state, use_qk_l2norm_in_kernel)
+    return run_poisoned_if_invalid_cu_seqlens(cu_seqlens, dims.T, run, q, k, v, g, b, w, initial_state)
 
 
 chunk_gdn2.__doc__ += _DOC_ARGS

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._chunk import naive_chunk_gdn2  # re-export (the chunked reference lives in _chunk.py)
-from ._validation import Dims, check_inputs, poison_if_invalid_cu_seqlens
+from ._validation import Dims, check_inputs, run_poisoned_if_invalid_cu_seqlens
 
 __all__ = ["naive_recurrent_gdn2", "naive_chunk_gdn2", "l2norm"]
 
@@ -121,8 +121,8 @@ def naive_recurrent_gdn2(
         ``initial_state[n]`` (or zero) at every sequence start.
 
     Returns:
-      ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state in float32 (float64 under x64) or
-      None when ``output_final_state`` is False.
+      ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state in float32 (float64 under x64 when
+      any input is float64), or None when ``output_final_state`` is False.
 
     Raises:
       ValueError / TypeError naming the argument for bad shapes, dtypes or values.
@@ -132,9 +132,11 @@ def naive_recurrent_gdn2(
         cu_seqlens=cu_seqlens, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
     )
-    o, ht = recurrent_forward(q, k, v, g, b, w, dims, initial_state, cu_seqlens,
-                              output_final_state, use_qk_l2norm_in_kernel)
-    return poison_if_invalid_cu_seqlens(cu_seqlens, dims.T, o, ht)
+    def run(q, k, v, g, b, w, h0):
+        return recurrent_forward(q, k, v, g, b, w, dims, h0, cu_seqlens, output_final_state,
+                                 use_qk_l2norm_in_kernel)
+
+    return run_poisoned_if_invalid_cu_seqlens(cu_seqlens, dims.T, run, q, k, v, g, b, w, initial_state)
 
 
 def recurrent_forward(q, k, v, g, b, w, dims: Dims, initial_state, cu_seqlens,

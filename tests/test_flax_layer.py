@@ -18,7 +18,7 @@ from flax import nnx
 
 from flax_layers import (GatedDeltaNet2, GDN2Cache, cache_from_fla, cache_to_fla, from_fla_state_dict,
                          load_fla_state_dict, to_fla_state_dict)
-from gdn2_jax import naive_recurrent_gdn2
+from gdn2_jax import _backend, naive_recurrent_gdn2
 
 D_MODEL, HEAD_DIM, H = 24, 8, 2
 
@@ -464,3 +464,25 @@ def test_valid_argument_variants_agree():
         layer, x, jnp.asarray(mask, jnp.int8))
     assert ratio(y_ref, y_jit) <= 1e-5
     assert_cache_close(c_ref, c_jit, 1e-5)
+
+
+@pytest.mark.skipif(_backend.tilelang_available("chunk_gdn2"), reason="the TileLang kernels can run here")
+@pytest.mark.parametrize("deterministic,arg", [(True, "backend"), (False, "train_backend")])
+@pytest.mark.parametrize("T", [5, 70])  # fused_recurrent (T <= 64 in inference) and chunk
+def test_unavailable_tilelang_backend_raises_before_computing(deterministic, arg, T):
+    layer = _small(**{arg: "tilelang"})
+
+    class Boom(nnx.Module):
+        def __call__(self, x):
+            raise AssertionError("the projections ran before the backend check")
+
+    layer.q_proj = layer.f_proj = Boom()
+    with pytest.raises(NotImplementedError, match=re.escape(f"`{arg}`='tilelang'")):
+        layer(rand_x(34, 1, T), deterministic=deterministic)
+
+
+@pytest.mark.parametrize("arg", ["backend", "train_backend"])
+@pytest.mark.parametrize("bad", ["cuda", None, 1])
+def test_bad_backend_names_the_argument(arg, bad):
+    with pytest.raises(ValueError, match=re.escape(f"`{arg}`")):
+        _small(**{arg: bad})

@@ -367,6 +367,28 @@ def test_traced_invalid_cu_seqlens_poison_outputs(fn, kw):
         assert np.isnan(np.asarray(ht)).all(), bad
 
 
+@pytest.mark.parametrize("fn,kw", _ALL_FNS, ids=lambda x: getattr(x, "__name__", ""))
+def test_traced_invalid_cu_seqlens_poison_gradients(fn, kw):
+    """Gradients through outputs of invalid traced cu_seqlens are NaN too, never silently zero."""
+    rng = np.random.default_rng(12)
+    T, H, K, V = 8, 2, 4, 4
+    q, k, v = (jnp.asarray(rng.standard_normal((1, T, H, d)), jnp.float32) for d in (K, K, V))
+    g = jnp.asarray(-rng.uniform(0.1, 1, (1, T, H, K)), jnp.float32)
+    b = jnp.asarray(rng.uniform(0, 1, (1, T, H, K)), jnp.float32)
+    w = jnp.asarray(rng.uniform(0, 1, (1, T, H, V)), jnp.float32)
+
+    def loss(q, v, cu):
+        o, ht = fn(q, k, v, g, b, w, cu_seqlens=cu, output_final_state=True, **kw)
+        return jnp.sum(o ** 2) + jnp.sum(ht)
+
+    vg = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    val, (dq, dv) = vg(q, v, jnp.asarray([0, 3, 8], jnp.int32))
+    assert np.isfinite(float(val)) and np.isfinite(np.asarray(dq)).all() and np.abs(np.asarray(dv)).sum() > 0
+    val, (dq, dv) = vg(q, v, jnp.asarray([0, 6, 4], jnp.int32))
+    assert np.isnan(float(val))
+    assert np.isnan(np.asarray(dq)).all() and np.isnan(np.asarray(dv)).all()
+
+
 def test_l2norm_rejects_non_float_input():
     from gdn2_jax import l2norm
 
