@@ -194,7 +194,7 @@ def _conv_packed(x, kernel, prev, cu_seqlens):
     _, T, D = x.shape
     W = kernel.shape[0]
     N = cu_seqlens.shape[0] - 1
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)  # numpy offsets too (indexed with traced values below)
     if prev is None:
         prev = jnp.zeros((N, W, D), x.dtype)
     # One pool of rows: the N cached windows (slot n, position j at n*W + j), then the T tokens (at N*W + t).
@@ -345,7 +345,7 @@ class GatedDeltaNet2(nnx.Module):
             raise ValueError(f"GatedDeltaNet2: `gate_activation` must be one of {GATE_ACTIVATIONS}, "
                              f"got {gate_activation!r}")
         for name, md in (("mode", mode), ("train_mode", train_mode)):
-            if md not in ("chunk", "fused_recurrent"):
+            if not isinstance(md, str) or md not in ("chunk", "fused_recurrent"):
                 raise ValueError(f"GatedDeltaNet2: `{name}` must be 'chunk' or 'fused_recurrent', got {md!r}")
         for name, be in (("backend", backend), ("train_backend", train_backend)):
             if not isinstance(be, str) or be not in _backend.BACKENDS:

@@ -294,7 +294,7 @@ def _varlen_plan(cu_seqlens, T: int, C: int) -> _VarlenPlan:
     """Chunks aligned to every sequence start, from possibly traced ``cu_seqlens`` (static count)."""
     from .reference import sequence_ids
 
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)  # numpy offsets too (indexed with traced values below)
     N = cu.shape[0] - 1
     lens = cu[1:] - cu[:-1]
     nch = (lens + C - 1) // C
@@ -416,8 +416,11 @@ def naive_chunk_gdn2(
         raise TypeError(f"{fn}: `chunk_size` must be a positive int, got {type(chunk_size).__name__} {chunk_size!r}")
     if chunk_size < 1:
         raise ValueError(f"{fn}: `chunk_size` must be a positive int, got {chunk_size!r}")
+    # a chunk longer than the input is only zero padding (exact); clamping keeps memory O(T^2), not O(chunk_size^2)
+    C = min(int(chunk_size), max(dims.T, 1))
+
     def run(q, k, v, g, b, w, h0):
         return _chunked(_naive_core, q, k, v, g, b, w, dims, h0, cu_seqlens, output_final_state,
-                        use_qk_l2norm_in_kernel, int(chunk_size))
+                        use_qk_l2norm_in_kernel, C)
 
     return run_poisoned_if_invalid_cu_seqlens(cu_seqlens, dims.T, run, q, k, v, g, b, w, initial_state)

@@ -227,9 +227,10 @@ def run_poisoned_if_invalid_cu_seqlens(cu_seqlens, T: int, run, q, k, v, g, b, w
     Concrete ``cu_seqlens`` were already checked by :func:`check_inputs` (a ``ValueError`` before anything
     runs). Traced ones (under ``jit``/``vmap``) cannot be inspected in Python, so validity — starts at 0,
     non-decreasing, ends at T — is computed on the device, and the inputs and outputs are multiplied by 1, or by
-    NaN if it fails: ``o`` and ``final_state`` become NaN, and so does the gradient with respect to every input
-    (a ``jnp.where`` on the outputs alone would pass zero cotangents back, a silently all-zero gradient; the
-    product on the inputs also reaches tokens that no sequence reads). Never a silent wrong answer.
+    NaN if it fails: ``o`` and ``final_state`` become NaN, and so does every gradient through them (a
+    ``jnp.where`` on the outputs alone would pass zero cotangents back, a silently all-zero gradient; the
+    product on the inputs also reaches tokens that no sequence reads). An input the loss does not depend on
+    at all (q, for a loss on the final state alone) keeps its exact, structural zero gradient.
     """
     if cu_seqlens is None or _is_concrete(cu_seqlens):
         return run(q, k, v, g, b, w, initial_state)

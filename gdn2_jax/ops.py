@@ -46,7 +46,9 @@ _DOC_ARGS = """
       cu_seqlens: ``[N + 1]`` int32/int64 offsets of sequences packed along T (requires B == 1). Each sequence
         starts from ``initial_state[n]`` (or zero); zero-length sequences are allowed. Concrete offsets are
         checked in Python (ValueError); traced ones are checked on the device, and invalid ones (not starting
-        at 0, decreasing, or not ending at T) make ``o``, ``final_state`` and their gradients NaN.
+        at 0, decreasing, or not ending at T) make ``o`` and ``final_state`` NaN, and every gradient through
+        them (an input the loss does not depend on at all, e.g. q for a loss on the final state alone, keeps
+        its exact zero gradient). numpy offsets count as concrete, also under ``jax.jit``.
       backend: ``"xla"`` (pure jnp, any device, differentiable), ``"tilelang"`` (TileLang kernels on NVIDIA
         Hopper GPUs), or ``"auto"`` (tilelang where it is available and supports the inputs' dtypes and head
         dims, else xla).

@@ -51,7 +51,7 @@ def sequence_ids(cu_seqlens: jax.Array, T: int):
 
     Works with traced ``cu_seqlens``. Zero-length sequences own no token.
     """
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)  # numpy offsets too (indexed with traced values below)
     t = jnp.arange(T, dtype=jnp.int32)
     seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
     start = t == cu[seq]

@@ -68,7 +68,7 @@ def test_forward_matches_recurrent_fp64(x64, impl, T, gva, h0, l2):
     assert rms_ratio(ht, ht_ref) <= TOL64
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 16])
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 10**9])  # 10**9: clamped to T, never allocated
 def test_naive_chunk_other_chunk_sizes(x64, chunk_size):
     x = make_inputs(7, 1, 37, 1, 2, 5, 4, jnp.float64)
     o_ref, ht_ref = _run(naive_recurrent_gdn2, x, h0=True, l2=False)

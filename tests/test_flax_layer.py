@@ -231,6 +231,9 @@ def test_packed_sequences_equal_per_sequence_runs():
     y0, _ = layer(x, cu_seqlens=jnp.asarray(cu, jnp.int32), deterministic=True)
     y_ref, _ = reference(layer, x[:, cu[3]:cu[4]])
     assert ratio(y_ref, y0[:, cu[3]:cu[4]]) <= 1e-5
+    # numpy offsets under nnx.jit are constants (no tracer error), same result
+    y_np, _ = nnx.jit(lambda m, x: m(x, cu_seqlens=np.asarray(cu), deterministic=True))(layer, x)
+    assert ratio(y0, y_np) <= 1e-6
 
 
 def test_jit_nnx_jit_and_donated_decode():
@@ -418,6 +421,8 @@ _BAD_CALLS = [  # (id, call(layer), exception, argument named in the message)
     ("cache-conv-None", lambda m: m(_X, cache=_swap_cache(m, conv_state=None)), ValueError, "cache.conv_state"),
     ("x-nan", lambda m: m(_X.at[1, 3, 4].set(jnp.nan)), ValueError, "x"),
     ("x-inf-numpy", lambda m: m(np.asarray(_X.at[0, 0, 0].set(-jnp.inf))), ValueError, "x"),
+    ("mode-array", lambda m: _small(mode=np.array(["chunk"])), ValueError, "mode"),
+    ("train_mode-bad", lambda m: _small(train_mode="recurrent"), ValueError, "train_mode"),
     ("hidden_size-str", lambda m: GatedDeltaNet2("a", rngs=nnx.Rngs(0)), TypeError, "hidden_size"),
     ("hidden_size-float", lambda m: GatedDeltaNet2(32.0, rngs=nnx.Rngs(0)), TypeError, "hidden_size"),
     ("conv_size-float", lambda m: _small(conv_size=2.5), TypeError, "conv_size"),
