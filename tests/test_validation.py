@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _oracle import make_inputs
 
 from gdn2_jax import chunk_gdn2, fused_recurrent_gdn2, naive_chunk_gdn2, naive_recurrent_gdn2
 
@@ -347,17 +348,18 @@ _ALL_FNS = [(chunk_gdn2, {"backend": "xla"}), (fused_recurrent_gdn2, {"backend":
             (naive_chunk_gdn2, {}), (naive_recurrent_gdn2, {})]
 
 
+def _packed_inputs(seed, T):
+    """float32 (q, k, v, g, b, w) for B = 1, H = HV = 2, K = V = 4."""
+    x = make_inputs(seed, 1, T, 2, 2, 4, 4)
+    return tuple(x[n] for n in "qkvgbw")
+
+
 @pytest.mark.parametrize("fn,kw", _ALL_FNS, ids=lambda x: getattr(x, "__name__", ""))
 def test_traced_invalid_cu_seqlens_poison_outputs(fn, kw):
-    rng = np.random.default_rng(11)
-    T, H, K, V = 8, 2, 4, 4
-    x = [rng.standard_normal((1, T, H, d)).astype(np.float32) for d in (K, K, V)]
-    g = -rng.uniform(0.1, 1, (1, T, H, K)).astype(np.float32)
-    b = rng.uniform(0, 1, (1, T, H, K)).astype(np.float32)
-    w = rng.uniform(0, 1, (1, T, H, V)).astype(np.float32)
-    call = jax.jit(lambda cu: fn(*x, g, b, w, cu_seqlens=cu, output_final_state=True, **kw))
+    x = _packed_inputs(11, 8)
+    call = jax.jit(lambda cu: fn(*x, cu_seqlens=cu, output_final_state=True, **kw))
     o, ht = call(jnp.asarray([0, 3, 8], jnp.int32))  # valid: finite, equal to the eager (checked) call
-    o_ref, ht_ref = fn(*x, g, b, w, cu_seqlens=jnp.asarray([0, 3, 8], jnp.int32), output_final_state=True, **kw)
+    o_ref, ht_ref = fn(*x, cu_seqlens=jnp.asarray([0, 3, 8], jnp.int32), output_final_state=True, **kw)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(ht), np.asarray(ht_ref), rtol=1e-5, atol=1e-6)
     # same length as the valid one, so the same compiled function sees them
@@ -370,12 +372,7 @@ def test_traced_invalid_cu_seqlens_poison_outputs(fn, kw):
 @pytest.mark.parametrize("fn,kw", _ALL_FNS, ids=lambda x: getattr(x, "__name__", ""))
 def test_traced_invalid_cu_seqlens_poison_gradients(fn, kw):
     """Gradients through outputs of invalid traced cu_seqlens are NaN too, never silently zero."""
-    rng = np.random.default_rng(12)
-    T, H, K, V = 8, 2, 4, 4
-    q, k, v = (jnp.asarray(rng.standard_normal((1, T, H, d)), jnp.float32) for d in (K, K, V))
-    g = jnp.asarray(-rng.uniform(0.1, 1, (1, T, H, K)), jnp.float32)
-    b = jnp.asarray(rng.uniform(0, 1, (1, T, H, K)), jnp.float32)
-    w = jnp.asarray(rng.uniform(0, 1, (1, T, H, V)), jnp.float32)
+    q, k, v, g, b, w = _packed_inputs(12, 8)
 
     def loss(q, v, cu):
         o, ht = fn(q, k, v, g, b, w, cu_seqlens=cu, output_final_state=True, **kw)
@@ -403,12 +400,7 @@ def test_l2norm_rejects_non_float_input():
 @pytest.mark.parametrize("fn,kw", _ALL_FNS, ids=lambda x: getattr(x, "__name__", ""))
 def test_numpy_cu_seqlens_under_jit(fn, kw):
     """numpy offsets closed over by a jitted function are constants: same result as eager, no tracer error."""
-    rng = np.random.default_rng(13)
-    T, H, K, V = 9, 2, 4, 4
-    q, k, v = (jnp.asarray(rng.standard_normal((1, T, H, d)), jnp.float32) for d in (K, K, V))
-    g = jnp.asarray(-rng.uniform(0.1, 1, (1, T, H, K)), jnp.float32)
-    b = jnp.asarray(rng.uniform(0, 1, (1, T, H, K)), jnp.float32)
-    w = jnp.asarray(rng.uniform(0, 1, (1, T, H, V)), jnp.float32)
+    q, k, v, g, b, w = _packed_inputs(13, 9)
     cu = np.array([0, 4, 4, 9])
     o_ref, ht_ref = fn(q, k, v, g, b, w, cu_seqlens=cu, output_final_state=True, **kw)
     o, ht = jax.jit(lambda q: fn(q, k, v, g, b, w, cu_seqlens=cu, output_final_state=True, **kw))(q)
