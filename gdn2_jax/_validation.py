@@ -221,25 +221,35 @@ def check_finite_gates(fn: str, g, b, w) -> None:
             raise ValueError(f"{fn}: `{name}` contains NaN or inf")
 
 
+@jax.custom_jvp
+def _nan_gradient_unless(x, factor):
+    """``x`` unchanged (no copy in the forward); its tangents, and so its cotangents, are multiplied by ``factor``."""
+    return x
+
+
+@_nan_gradient_unless.defjvp
+def _nan_gradient_unless_jvp(primals, tangents):
+    x, factor = primals
+    return x, tangents[0] * factor.astype(x.dtype)
+
+
 def run_poisoned_if_invalid_cu_seqlens(cu_seqlens, T: int, run, q, k, v, g, b, w, initial_state):
     """``run(q, k, v, g, b, w, initial_state) -> (o, final_state)``, NaN throughout if *traced* cu_seqlens are invalid.
 
     Concrete ``cu_seqlens`` were already checked by :func:`check_inputs` (a ``ValueError`` before anything
     runs). Traced ones (under ``jit``/``vmap``) cannot be inspected in Python, so validity — starts at 0,
-    non-decreasing, ends at T — is computed on the device, and the inputs and outputs are multiplied by 1, or by
-    NaN if it fails: ``o`` and ``final_state`` become NaN, and so does every gradient through them (a
-    ``jnp.where`` on the outputs alone would pass zero cotangents back, a silently all-zero gradient; the
-    product on the inputs also reaches tokens that no sequence reads). An input the loss does not depend on
-    at all (q, for a loss on the final state alone) keeps its exact, structural zero gradient.
+    non-decreasing, ends at T — is computed on the device as a factor 1 or NaN. ``o`` and ``final_state`` are
+    multiplied by it, and so are the derivatives with respect to the inputs (a ``jnp.where`` on the outputs alone
+    would pass zero cotangents back, a silently all-zero gradient; scaling each input's cotangent also reaches
+    tokens that no sequence reads). The inputs themselves are not touched in the forward: no extra pass over
+    them, and the state can still be updated in place. An input the loss does not depend on at all (q, for a
+    loss on the final state alone) keeps its exact, structural zero gradient.
     """
     if cu_seqlens is None or _is_concrete(cu_seqlens):
         return run(q, k, v, g, b, w, initial_state)
     cu = cu_seqlens.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
     valid = (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] == T)
     factor = jnp.where(valid, 1.0, jnp.nan)
-
-    def poison(x):
-        return None if x is None else x * factor.astype(x.dtype)
-
-    o, final_state = run(*(poison(x) for x in (q, k, v, g, b, w, initial_state)))
-    return poison(o), poison(final_state)
+    o, final_state = run(*(None if x is None else _nan_gradient_unless(x, factor)
+                           for x in (q, k, v, g, b, w, initial_state)))
+    return tuple(None if x is None else x * factor.astype(x.dtype) for x in (o, final_state))
