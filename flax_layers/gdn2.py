@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn2_jax import _backend, chunk_gdn2, fused_recurrent_gdn2
-from gdn2_jax._validation import check_inputs, check_positive_float, concrete_all
-from gdn2_jax.reference import sequence_ids
+from gdn2_jax import backends, chunk_gdn2, fused_recurrent_gdn2
+from gdn2_jax.validation import check_cu_seqlens, check_positive_float, check_positive_int, concrete_all
+from gdn2_jax.xla import sequence_ids
 
 __all__ = ["GatedDeltaNet2", "GDN2Cache", "ShortConvolution", "GatedRMSNorm", "nvlabs_kernel_init"]
 
@@ -62,11 +62,7 @@ _FN = "GatedDeltaNet2"
 
 def _check_int(name, value):
     """A Python/numpy int >= 1 (bool refused) as a Python int."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{_FN}: `{name}` must be a Python int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{_FN}: `{name}` must be >= 1, got {value}")
-    return int(value)
+    return check_positive_int(_FN, name, value)
 
 
 def _check_bool(name, value):
@@ -348,8 +344,8 @@ class GatedDeltaNet2(nnx.Module):
             if not isinstance(md, str) or md not in ("chunk", "fused_recurrent"):
                 raise ValueError(f"GatedDeltaNet2: `{name}` must be 'chunk' or 'fused_recurrent', got {md!r}")
         for name, be in (("backend", backend), ("train_backend", train_backend)):
-            if not isinstance(be, str) or be not in _backend.BACKENDS:
-                raise ValueError(f"GatedDeltaNet2: `{name}` must be one of {_backend.BACKENDS}, got {be!r}")
+            if not isinstance(be, str) or be not in backends.BACKENDS:
+                raise ValueError(f"GatedDeltaNet2: `{name}` must be one of {backends.BACKENDS}, got {be!r}")
 
         self.hidden_size = hidden_size
         self.head_dim = self.head_k_dim = head_dim
@@ -492,12 +488,8 @@ class GatedDeltaNet2(nnx.Module):
         if attention_mask is not None and cu_seqlens is not None:
             raise ValueError(f"{_FN}: pass either `attention_mask` or `cu_seqlens`, not both")
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        N = B
-        if cu_seqlens is not None:  # the ops' own checks (type, 1-D, integer, B == 1, concrete 0 <= ... <= T)
-            qk, gb, vw = (jax.ShapeDtypeStruct((B, T, h, d), jnp.float32) for h, d in ((H, K), (HV, K), (HV, V)))
-            check_inputs(_FN, qk, qk, vw, gb, gb, vw, scale=None, initial_state=None, cu_seqlens=cu_seqlens,
-                         output_final_state=True, use_qk_l2norm_in_kernel=True)
-            N = cu_seqlens.shape[0] - 1
+        # the ops' own checks (type, 1-D, integer, B == 1, concrete 0 <= ... <= T)
+        N = B if cu_seqlens is None else check_cu_seqlens(_FN, cu_seqlens, B, T)
         det = _check_bool("deterministic", self.deterministic if deterministic is None else deterministic)
         if attention_mask is not None:
             _check_array("attention_mask", attention_mask, (B, T), "[B, T]", (jnp.bool_, jnp.integer))
@@ -515,7 +507,7 @@ class GatedDeltaNet2(nnx.Module):
         backend_arg = "backend" if det else "train_backend"
         backend = getattr(self, backend_arg)
         if backend == "tilelang":  # fail before the projections run, naming the layer's argument
-            why = _backend.tilelang_unavailable_reason(op.__name__)
+            why = backends.tilelang_unavailable_reason(op.__name__)
             if why is not None:
                 raise NotImplementedError(f"{_FN}: `{backend_arg}`='tilelang' cannot run here ({op.__name__}): "
                                           f"{why}; use 'xla' or 'auto'")
@@ -557,9 +549,12 @@ class GatedDeltaNet2(nnx.Module):
             b = jnp.where(live, b, jnp.zeros_like(b))
             w = jnp.where(live, w, jnp.zeros_like(w))
 
+        # decode with a cache: the new state reuses the cache's buffer (in place when the cache is donated or
+        # carried through a loop; XLA copies it otherwise)
+        inplace = {"inplace_final_state": True} if cache is not None and op is fused_recurrent_gdn2 else {}
         o, state = op(q, k, v, g, b, w, initial_state=None if cache is None else cache.recurrent_state,
                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-                      backend=backend)
+                      backend=backend, **inplace)
 
         gate = self.g_proj(x).reshape(B, T, HV, V)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * V))

@@ -2,7 +2,9 @@
 
 Public API (FLA names): :func:`chunk_gdn2` (prefill / training), :func:`fused_recurrent_gdn2` (decode),
 and the pure-jnp references :func:`naive_recurrent_gdn2` (ground truth) and :func:`naive_chunk_gdn2`.
-Importing this package imports neither TileLang nor torch and does not initialise a GPU.
+Public modules: ``gdn2_jax.backends`` (backend selection), ``gdn2_jax.validation`` (argument checks) and
+``gdn2_jax.xla`` (the pure-jnp stages, one file per stage). Importing this package imports neither TileLang
+nor torch and does not initialise a GPU.
 """
 
 from .ops import chunk_gdn2, fused_recurrent_gdn2

@@ -1,8 +1,18 @@
-"""Helpers shared by the TileLang kernel factories (never imports jax). Part of every kernel's cache key."""
+"""Constants and helpers shared by the TileLang kernel factories and their runners (never imports jax).
+
+Part of every kernel's cache key (``kernels/_compile.py`` hashes the ``_common*.py`` files).
+"""
 
 from __future__ import annotations
 
-__all__ = ["drop_params"]
+__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "drop_params"]
+
+#: Chunk length of the chunked (WY) form. FLA fixes 64 for GDN-2 (4 sub-chunks of 16).
+CHUNK = 64
+#: log2(e): kernels keep the within-chunk cumulative decay in base 2 and use ``exp2`` (FLA's ``RCP_LN2``).
+LOG2E = 1.4426950408889634
+#: epsilon of the in-kernel q/k L2 norm ``x * rsqrt(sum x^2 + eps)`` (FLA ``l2norm_fwd``; the jnp path uses it too).
+L2NORM_EPS = 1e-6
 
 
 def drop_params(func, keep):

@@ -1,6 +1,6 @@
 """Ahead-of-time compile of the GDN-2 TileLang kernels into the on-disk cache (no GPU needed).
 
-    python -m kernels.build [--arch sm_90a] [--preset serving|tests|bench|layers|sweep|all] [--op recurrent|chunk|both] [-j N]
+    python -m kernels.build [--arch sm_90a] [--preset serving|tests|bench|layers|sweep|all] [--op NAME[,NAME]] [-j N]
     python -m kernels.build --H 16 --HV 16 --K 128 --V 128 --dtype bfloat16 [--g-dtype float32] \
         [--initial-state] [--final-state] [--varlen] [--l2norm] [--scale S]
 
@@ -15,29 +15,21 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import importlib.util
 import inspect
 import itertools
 import os
 import sys
 import time
 
-KINDS = ("recurrent", "chunk")
-
-
-def _factory(kind):
-    if kind == "recurrent":
-        from .recurrent_fwd import fused_recurrent_fwd_pipeline as f
-    else:
-        from .chunk_fwd import chunk_fwd_pipeline as f
-    return f
+from . import registry
 
 
 def cfg(H, HV, K, V=None, dtype="bfloat16", g_dtype="float32", scale=None, h0=True, ht=True, varlen=False,
         l2=False):
     V = K if V is None else V
-    return dict(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=K ** -0.5 if scale is None else scale,
-                use_initial_state=h0, output_final_state=ht, varlen=varlen, use_qk_l2norm=l2)
+    return registry.config(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype,
+                           scale=K ** -0.5 if scale is None else scale, use_initial_state=h0, output_final_state=ht,
+                           varlen=varlen, use_qk_l2norm=l2)
 
 
 def preset(name: str) -> list[dict]:
@@ -48,8 +40,7 @@ def preset(name: str) -> list[dict]:
     tests = [cfg(2, 2, 128), cfg(2, 4, 128), cfg(1, 3, 64), cfg(2, 4, 128, dtype="float16"),
              cfg(2, 2, 64, dtype="float16", h0=False), cfg(4, 8, 128),
              cfg(2, 4, 128, g_dtype="bfloat16", scale=0.3), cfg(2, 4, 128, scale=0.3, l2=True),
-             cfg(2, 4, 64, scale=0.125, varlen=True), cfg(2, 4, 64), cfg(1, 2, 64), cfg(4, 4, 128),
-             dict(cfg(2, 4, 128), schedule="vloop"), dict(cfg(2, 4, 64, scale=0.125, varlen=True), schedule="vloop")]
+             cfg(2, 4, 64, scale=0.125, varlen=True), cfg(2, 4, 64), cfg(1, 2, 64), cfg(4, 4, 128)]
     # flax_layers.GatedDeltaNet2 (l2 norm in kernel, fp32 g) as tests/test_flax_fla_parity.py and
     # examples/train_lm.py build it: 2 qk heads, 2 or 4 value heads, head dim 64, with and without a cache
     layers = [cfg(2, hv, 64, l2=True, h0=h0) for hv in (2, 4) for h0 in (False, True)]
@@ -70,37 +61,37 @@ def _sweep() -> list[dict]:
     """Decode tile-sweep variants (benchmarks/bench.py --decode-sweep): recurrent only."""
     from .recurrent_fwd import TUNING_TILES
 
-    return [dict(cfg(32, 32, 128), inplace_state=True, block_v=bv, threads=th, schedule=sc)
-            for bv, th, sc in TUNING_TILES]
+    return [dict(cfg(32, 32, 128), inplace_state=True, block_v=bv, threads=th) for bv, th in TUNING_TILES]
 
 
-def _job(kind, kw, index, arch):
+def _job(name, kw, index, arch):
     from . import _compile
 
-    launch = _factory(kind)(**kw).launches[index]
+    launch = registry.get(name).pipeline(**kw).launches[index]
     t0 = time.time()
     existed = _compile.library_path(launch, arch).exists()
     path = _compile.compile_launch(launch, arch)
     return launch.name, str(path), existed, time.time() - t0
 
 
-def build(configs, kinds, arch, jobs=1, log=print):
-    """Compile every launch of every (kind, config); returns the list of library paths."""
+def build(configs, ops, arch, jobs=1, log=print):
+    """Compile every launch of every (op, config) (op names from ``kernels.registry``); returns the library paths."""
     work = []
-    for kind, kw in itertools.product(kinds, configs):
-        accepted = inspect.signature(_factory(kind)).parameters
-        if any(k not in accepted for k in kw):  # an option of the other kind's factory (e.g. schedule)
+    for name, kw in itertools.product(ops, configs):
+        op = registry.get(name)
+        accepted = inspect.signature(registry.resolve(op.factory)).parameters
+        if any(k not in accepted for k in kw):  # an option of another op's factory (e.g. block_v)
             continue
-        pipe = _factory(kind)(**kw)
-        work += [(kind, kw, i, arch) for i in range(len(pipe.launches))]
+        pipe = op.pipeline(**kw)
+        work += [(name, kw, i, arch) for i in range(len(pipe.launches))]
     paths = []
     if jobs <= 1:
         results = (_job(*w) for w in work)
     else:
         ex = cf.ProcessPoolExecutor(jobs)
         results = ex.map(_job, *zip(*work))
-    for (kind, kw, i, _), (name, path, existed, dt) in zip(work, results):
-        log(f"{'cached ' if existed else 'built  '} {dt:6.1f}s {kind:9s} {name:28s} {os.path.basename(path)[:60]}")
+    for (op, kw, i, _), (name, path, existed, dt) in zip(work, results):
+        log(f"{'cached ' if existed else 'built  '} {dt:6.1f}s {op:21s} {name:28s} {os.path.basename(path)[:60]}")
         paths.append(path)
     return paths
 
@@ -109,7 +100,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default=None, help="e.g. sm_90a (default: the local GPU's, else sm_90a)")
     ap.add_argument("--preset", default=None, help="serving | tests | bench | layers | sweep | all (or a,b,...)")
-    ap.add_argument("--op", default="both", choices=("recurrent", "chunk", "both"))
+    ap.add_argument("--op", default="all", help=f"comma-separated op names from kernels.registry ({', '.join(registry.OPS)}), or all")
     ap.add_argument("-j", "--jobs", type=int, default=1)
     for n in ("H", "HV", "K", "V"):
         ap.add_argument(f"--{n}", type=int)
@@ -129,13 +120,12 @@ def main(argv=None):
             arch = _compile.device_arch()
         except Exception:
             arch = "sm_90a"
-    kinds = KINDS if a.op == "both" else (a.op,)
-    if "chunk" in kinds and importlib.util.find_spec("kernels.chunk_fwd") is None:
-        if a.op == "chunk":
-            raise SystemExit("kernels/chunk_fwd.py is not present")
-        kinds = ("recurrent",)
+    ops = tuple(registry.OPS) if a.op == "all" else tuple(a.op.split(","))
+    for name in ops:
+        if name not in registry.OPS:
+            ap.error(f"--op: unknown op {name!r}; choose from {', '.join(registry.OPS)}")
     if a.preset == "sweep":
-        kinds = ("recurrent",)
+        ops = ("fused_recurrent_gdn2",)
     if a.preset:  # comma-separated presets build in one process
         configs = [c for name in a.preset.split(",") for c in preset(name)]
     elif a.H:
@@ -144,7 +134,7 @@ def main(argv=None):
     else:
         ap.error("give --preset or --H (and friends)")
     t0 = time.time()
-    paths = build(configs, kinds, arch, a.jobs)
+    paths = build(configs, ops, arch, a.jobs)
     print(f"{len(paths)} kernels for {arch} in {_compile.cache_dir()} ({time.time() - t0:.1f}s)")
     return 0
 

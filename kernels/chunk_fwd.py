@@ -32,21 +32,13 @@ Precision (bf16 inputs, fp64 oracle, spec §11 inputs): o RMS ratio 3.15e-3, fin
 0.6.0 on the same inputs (measured on an H200; see docs/performance-notes.md, "chunk prefill").
 """
 
-import math
-
-from ._common import drop_params
+from . import registry
+from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params
 from ._pipeline import Buf, Launch, Pipeline
 
-__all__ = ["chunk_fwd_pipeline", "SUPPORTED_K", "SUPPORTED_V", "CHUNK", "num_chunk_slots"]
+__all__ = ["chunk_fwd_pipeline", "num_chunk_slots"]
 
-CHUNK = 64
 SUB = 16
-SUPPORTED_K = (64, 128)
-SUPPORTED_V = (64, 128)
-LOG2E = 1.4426950408889634
-L2NORM_EPS = 1e-6
-_DT = ("bfloat16", "float16")
-_GDT = ("float32", "bfloat16")
 _VERSION = 4  # bump when the generated code changes in a way the source hash would not see
 
 
@@ -155,42 +147,29 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             tx = T.get_thread_binding()
             hq = hv // grp
 
-            Gc = T.alloc_shared((C, DC + PADF), acc)
-            Ec = T.alloc_shared((C, DC + PADF), acc)
-            qc = T.alloc_shared((C, DC + PADB), dtype)
-            kc = T.alloc_shared((C, DC + PADB), dtype)
+            # (buffers of one shape allocated together, in the order the shared-memory layout was measured with)
+            Gc, Ec = (T.alloc_shared((C, DC + PADF), acc) for _ in range(2))
+            qc, kc = (T.alloc_shared((C, DC + PADB), dtype) for _ in range(2))
             bkc = T.alloc_shared((C, DC + PADF), acc)
             tot = T.alloc_shared((NSEG, DC), acc)
-            nq = T.alloc_shared((C,), acc)
-            nk = T.alloc_shared((C,), acc)
-            QE1 = T.alloc_shared((2 * BC, DC), acc)
-            QE2 = T.alloc_shared((2 * BC, DC), acc)
-            QE3 = T.alloc_shared((2 * BC, DC), acc)
-            Kc1 = T.alloc_shared((2 * BC, DC), acc)  # rows >= 16 are zero: 8 warps need a 32-wide product
-            Kc2 = T.alloc_shared((2 * BC, DC), acc)
+            nq, nk = (T.alloc_shared((C,), acc) for _ in range(2))
+            # Kc1 / Kc2 rows >= 16 are zero: 8 warps need a 32-wide product
+            QE1, QE2, QE3, Kc1, Kc2 = (T.alloc_shared((2 * BC, DC), acc) for _ in range(5))
             Kc3 = T.alloc_shared((4 * BC, DC), acc)
-            Acc1 = T.alloc_fragment((2 * BC, 2 * BC), acc)
-            Acc2 = T.alloc_fragment((2 * BC, 2 * BC), acc)
+            Acc1, Acc2 = (T.alloc_fragment((2 * BC, 2 * BC), acc) for _ in range(2))
             Acc3 = T.alloc_fragment((2 * BC, 4 * BC), acc)
             Ebs = T.alloc_shared((C, K), dtype)
-            Qk = T.alloc_shared((C, C), acc)
-            Tm = T.alloc_shared((C, C), acc)
-            Ds = T.alloc_shared((C, C), acc)
-            Ns = T.alloc_shared((C, C), acc)
-            N2s = T.alloc_shared((C, C), acc)
+            Qk, Tm, Ds, Ns, N2s = (T.alloc_shared((C, C), acc) for _ in range(5))
             Nf = T.alloc_fragment((C, C), acc)
             As = T.alloc_shared((C, C), dtype)
             Zs = T.alloc_shared((C, V), dtype)
             Yf = T.alloc_fragment((C, K), acc)
             Uf = T.alloc_fragment((C, V), acc)
-            kk = T.alloc_local((DC,), acc)
-            gm = T.alloc_local((DC,), acc)
-            aq = T.alloc_local((RPG,), acc)
-            at = T.alloc_local((RPG,), acc)
+            kk, gm = (T.alloc_local((DC,), acc) for _ in range(2))
+            aq, at = (T.alloc_local((RPG,), acc) for _ in range(2))
             xc = T.alloc_local((BC,), acc)
             csum = T.alloc_var(acc)
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
+            lo, hi = (T.alloc_var("int32") for _ in range(2))
 
             if varlen:
                 lo = 0
@@ -377,16 +356,13 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages):
             n = bx // NVB
             v0 = (bx % NVB) * BV
             S = T.alloc_fragment((K, BV), acc)
-            Ys = T.alloc_shared((C, K), dtype)
-            Qs = T.alloc_shared((C, K), dtype)
-            Ks = T.alloc_shared((C, K), dtype)
+            Ys, Qs, Ks = (T.alloc_shared((C, K), dtype) for _ in range(3))
             As = T.alloc_shared((C, C), dtype)
             Us = T.alloc_shared((C, BV), dtype)
             gs = T.alloc_shared((K,), acc)
             Sb = T.alloc_shared((K, BV), dtype)
             Rb = T.alloc_shared((C, BV), dtype)
-            Rf = T.alloc_fragment((C, BV), acc)
-            Of = T.alloc_fragment((C, BV), acc)
+            Rf, Of = (T.alloc_fragment((C, BV), acc) for _ in range(2))
 
             if varlen:
                 bb = 0
@@ -466,17 +442,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     unsupported configurations.
     """
     fn = "chunk_fwd_pipeline"
-    if dtype not in _DT:
-        raise ValueError(f"{fn}: dtype must be one of {_DT}, got {dtype!r}")
-    if g_dtype not in _GDT:
-        raise ValueError(f"{fn}: g_dtype must be one of {_GDT}, got {g_dtype!r}")
-    if H < 1 or HV < H or HV % H != 0:
-        raise ValueError(f"{fn}: HV={HV} must be a positive multiple of H={H}")
-    if K not in SUPPORTED_K or V not in SUPPORTED_V:
-        raise ValueError(f"{fn}: K={K} must be in {SUPPORTED_K} and V={V} in {SUPPORTED_V}")
+    registry.get("chunk_gdn2").support.check(fn, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale)
     scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"{fn}: scale must be finite, got {scale}")
     BV = min(V, 16 if HV < 32 else 32) if block_v is None else int(block_v)
     if intra_threads not in (128, 256) or intra_min_blocks not in (1, 2, 3):
         raise ValueError(f"{fn}: intra_threads must be 128 or 256 and intra_min_blocks 1..3, got "

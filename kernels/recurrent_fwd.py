@@ -11,25 +11,22 @@ Grid: ``(N*HV, V/BV)`` (the large axis on gridDim.x), BV = min(V, 64), 64 state 
 K-reductions per token are TileLang AllReduces over the block (batched, one barrier round each). Math in fp32.
 GVA native: value head ``hv`` reads q/k head ``hv // (HV/H)``. Options: initial state, final state, packed varlen
 (``cu_seqlens`` int32), in-kernel q/k L2 norm, and an in-place state variant (``ht`` aliases ``h0``; each block
-reads its slice before writing it). Tuning knobs: ``block_v``, ``threads``, ``schedule="vloop"``.
+reads its slice before writing it), and a state pool (continuous batching / speculative decoding, FLA's
+``ssm_state_indices`` / ``num_accepted_tokens``). Tuning knobs: ``block_v``, ``threads``.
 Never imports jax.
 """
 
 # No ``from __future__ import annotations`` here: TileLang's builder evaluates the prim_func's annotations.
-import math
-
-from ._common import drop_params
+from . import registry
+from ._common import L2NORM_EPS, LOG2E, drop_params
 from ._pipeline import Buf, Launch, Pipeline
 
-__all__ = ["fused_recurrent_fwd_pipeline", "SUPPORTED_K", "SUPPORTED_V", "default_block_v"]
+__all__ = ["fused_recurrent_fwd_pipeline", "default_block_v", "TUNING_TILES"]
 
-#: (block_v, threads, schedule) tried by ``benchmarks/bench.py --decode-sweep``; the first is the default.
-TUNING_TILES = ((64, 128, "block"), (32, 128, "block"), (64, 256, "block"), (128, 512, "block"), (128, 256, "block"),
-                (32, 64, "block"), (32, 128, "vloop"), (64, 256, "vloop"))
-SUPPORTED_K = (16, 32, 64, 128, 256)
-SUPPORTED_V = (16, 32, 64, 128, 256)
-L2NORM_EPS = 1e-6
-_DT = ("bfloat16", "float16", "float32")
+#: (block_v, threads) tried by ``benchmarks/bench.py --decode-sweep``; the first is the default. (A "vloop" schedule,
+#: one block per head walking its V-blocks with register double buffering, was measured and removed: it was no
+#: faster on the wide tile and slower at small B; docs/performance-notes.md.)
+TUNING_TILES = ((64, 128), (32, 128), (64, 256), (128, 512), (128, 256), (32, 64))
 
 
 def default_block_v(V: int) -> int:
@@ -43,17 +40,15 @@ def _threads(K: int, BV: int) -> int:
     return max(32, min(256, K * BV // (64 if K >= 128 else 32)))
 
 
-def _build(*, H, HV, K, V, BV, dtype, g_dtype, scale, use_h0, store_ht, varlen, l2norm, threads, schedule="block",
-           stages=2):
+def _build(*, H, HV, K, V, BV, dtype, g_dtype, scale, use_h0, store_ht, varlen, l2norm, threads, pool=None,
+           spec=False):
     import tilelang.language as T
 
     G = HV // H
     NV = V // BV
     # reduce 4 columns per barrier round (the layout gives each thread 4 adjacent columns at these sizes)
     rb = 4 if K >= 64 and threads >= 64 else 1
-    vblocks = tuple(range(NV))
     acc = "float32"
-    log2e = 1.4426950408889634
     scale = float(scale)
 
     Tn = T.dynamic("T")
@@ -63,10 +58,26 @@ def _build(*, H, HV, K, V, BV, dtype, g_dtype, scale, use_h0, store_ht, varlen, 
     NP1 = T.dynamic("NP1")
     # Sequences in the grid: varlen counts them from cu_seqlens (h0/ht, which also carry N, may be absent).
     n_seq = NP1 - 1 if varlen else N
+    # State pool (continuous batching): h0 / ht are one [P, HV, K, V] pool, updated in place; sequence n reads and
+    # writes the slots named by state_indices ([NI] per sequence, or [NI, L] per token). A slot outside [0, P)
+    # is padding: start from zero, write nothing.
+    P_ = T.dynamic("P")
+    NI = T.dynamic("NI")
+    L = T.dynamic("L")
+    SN = P_ if pool else N
 
     @T.macro
-    def tile(q, k, v, g, b, w, cu, o, n, hv, v0, S, P, red, q_s, k_s, bk_s, gd_s, z_s, nrm, nrm2, sq, sk):
-        """Walk the tokens of sequence n for the state slice S = state[n, hv, :, v0:v0+BV] (in place)."""
+    def store_slot(ht, slot, hv, v0, S):
+        # slot: int64; a slot outside [0, P) is padding (nothing written)
+        for i, j in T.Parallel(K, BV):
+            if slot >= 0 and slot < T.cast(P_, "int64"):
+                ht[slot, hv, i, v0 + j] = S[i, j]
+
+    @T.macro
+    def tile(q, k, v, g, b, w, cu, o, n, hv, v0, S, P, red, q_s, k_s, bk_s, gd_s, z_s, nrm, nrm2, sq, sk, idx=None,
+             ht=None):
+        """Walk the tokens of sequence n for the state slice S = state[n, hv, :, v0:v0+BV] (in place); with a
+        per-token pool (``pool="token"``) the state after token t goes to slot ``idx[n, t]`` (t < L)."""
         hq = hv // G
         if varlen:
             bos = T.cast(cu[n], "int64")
@@ -81,7 +92,7 @@ def _build(*, H, HV, K, V, BV, dtype, g_dtype, scale, use_h0, store_ht, varlen, 
             for i in T.Parallel(K):
                 q_s[i] = T.cast(q[bb, tt, hq, i], acc)
                 k_s[i] = T.cast(k[bb, tt, hq, i], acc)
-                gd_s[i] = T.exp2(T.cast(g[bb, tt, hv, i], acc) * log2e)
+                gd_s[i] = T.exp2(T.cast(g[bb, tt, hv, i], acc) * LOG2E)
                 bk_s[i] = T.cast(b[bb, tt, hv, i], acc)
             for j in T.Parallel(BV):
                 z_s[j] = T.cast(w[bb, tt, hv, v0 + j], acc) * T.cast(v[bb, tt, hv, v0 + j], acc)
@@ -106,97 +117,78 @@ def _build(*, H, HV, K, V, BV, dtype, g_dtype, scale, use_h0, store_ht, varlen, 
             T.reduce_sum(P, red, dim=0, batch=rb)
             for j in T.Parallel(BV):
                 o[bb, tt, hv, v0 + j] = T.cast(red[j] * scale, dtype)
+            if pool == "token":
+                if t < T.cast(L, "int64"):
+                    store_slot(ht, T.cast(idx[n, t], "int64"), hv, v0, S)
 
     @T.macro
-    def body_block(q, k, v, g, b, w, h0, cu, o, ht):
-        # one block per (sequence, value head, V-block)
+    def body_block(q, k, v, g, b, w, h0, cu, idx, acc_n, o, ht):
+        # one block per (sequence, value head, V-block); with a pool, ht is h0 (updated in place)
         with T.Kernel(n_seq * HV, NV, threads=threads) as (bnh, bv):
             n = bnh // HV
             hv = bnh % HV
             v0 = bv * BV
-            S = T.alloc_fragment((K, BV), acc)
-            P = T.alloc_fragment((K, BV), acc)
+            S, P = (T.alloc_fragment((K, BV), acc) for _ in range(2))
             red = T.alloc_fragment((BV,), acc)
-            q_s = T.alloc_shared((K,), acc)
-            k_s = T.alloc_shared((K,), acc)
-            bk_s = T.alloc_shared((K,), acc)
-            gd_s = T.alloc_shared((K,), acc)
+            q_s, k_s, bk_s, gd_s = (T.alloc_shared((K,), acc) for _ in range(4))
             z_s = T.alloc_shared((BV,), acc)
-            nrm = T.alloc_fragment((1,), acc)
-            nrm2 = T.alloc_fragment((1,), acc)
-            sq = T.alloc_fragment((K,), acc)
-            sk = T.alloc_fragment((K,), acc)
-            if use_h0:
+            nrm, nrm2 = (T.alloc_fragment((1,), acc) for _ in range(2))
+            sq, sk = (T.alloc_fragment((K,), acc) for _ in range(2))
+            if pool:
+                # the slot sequence n starts from: idx[n], or idx[n, num_accepted[n] - 1] per token ([1, L])
+                if pool == "slot":
+                    s0 = T.cast(idx[n], "int64")
+                elif spec:
+                    s0 = T.cast(idx[n, T.max(T.min(acc_n[n], L), 1) - 1], "int64")
+                else:
+                    s0 = T.cast(idx[n, 0], "int64")
+                inb = s0 >= 0 and s0 < T.cast(P_, "int64")
+                sc = T.max(T.min(s0, T.cast(P_, "int64") - 1), T.int64(0))  # clamped: the read stays in bounds
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = T.if_then_else(inb, h0[sc, hv, i, v0 + j], 0.0)
+            elif use_h0:
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = h0[n, hv, i, v0 + j]
             else:
                 T.clear(S)
-            tile(q, k, v, g, b, w, cu, o, n, hv, v0, S, P, red, q_s, k_s, bk_s, gd_s, z_s, nrm, nrm2, sq, sk)
-            if store_ht:
+            tile(q, k, v, g, b, w, cu, o, n, hv, v0, S, P, red, q_s, k_s, bk_s, gd_s, z_s, nrm, nrm2, sq, sk,
+                 idx=idx, ht=ht)
+            if pool == "slot":
+                store_slot(ht, s0, hv, v0, S)
+            elif store_ht and not pool:
                 for i, j in T.Parallel(K, BV):
                     ht[n, hv, i, v0 + j] = S[i, j]
-
-    @T.macro
-    def body_vloop(q, k, v, g, b, w, h0, cu, o, ht):
-        # One block per (sequence, value head) walking its V-blocks (unrolled): the state slice of V-block j+1 is
-        # loaded into a second register tile while V-block j is computed and stored (register double buffering).
-        with T.Kernel(n_seq * HV, threads=threads) as bnh:
-            n = bnh // HV
-            hv = bnh % HV
-            Sa = T.alloc_fragment((K, BV), acc)
-            Sb = T.alloc_fragment((K, BV), acc)
-            P = T.alloc_fragment((K, BV), acc)
-            red = T.alloc_fragment((BV,), acc)
-            q_s = T.alloc_shared((K,), acc)
-            k_s = T.alloc_shared((K,), acc)
-            bk_s = T.alloc_shared((K,), acc)
-            gd_s = T.alloc_shared((K,), acc)
-            z_s = T.alloc_shared((BV,), acc)
-            nrm = T.alloc_fragment((1,), acc)
-            nrm2 = T.alloc_fragment((1,), acc)
-            sq = T.alloc_fragment((K,), acc)
-            sk = T.alloc_fragment((K,), acc)
-            for i, j in T.Parallel(K, BV):
-                Sa[i, j] = h0[n, hv, i, j]
-            tiles = [Sa, Sb]
-            for jv in vblocks:  # a Python tuple: unrolled at build time
-                cur = tiles[jv % 2]
-                nxt = tiles[(jv + 1) % 2]
-                if jv + 1 < NV:
-                    for i, j in T.Parallel(K, BV):
-                        nxt[i, j] = h0[n, hv, i, (jv + 1) * BV + j]
-                tile(q, k, v, g, b, w, cu, o, n, hv, jv * BV, cur, P, red, q_s, k_s, bk_s, gd_s, z_s, nrm, nrm2,
-                     sq, sk)
-                if store_ht:
-                    for i, j in T.Parallel(K, BV):
-                        ht[n, hv, i, jv * BV + j] = cur[i, j]
-
-    body = body_vloop if (schedule == "vloop" and use_h0 and NV > 1) else body_block
 
     # Build the exact parameter list (only the buffers this variant uses), in the pipeline's arg order.
     sig = {
         "q": T.Tensor((B, Tn, H, K), dtype), "k": T.Tensor((B, Tn, H, K), dtype),
         "v": T.Tensor((B, Tn, HV, V), dtype), "g": T.Tensor((B, Tn, HV, K), g_dtype),
         "b": T.Tensor((B, Tn, HV, K), dtype), "w": T.Tensor((B, Tn, HV, V), dtype),
-        "h0": T.Tensor((N, HV, K, V), "float32"), "cu_seqlens": T.Tensor((NP1,), "int32"),
-        "o": T.Tensor((B, Tn, HV, V), dtype), "ht": T.Tensor((N, HV, K, V), "float32"),
+        "h0": T.Tensor((SN, HV, K, V), "float32"), "cu_seqlens": T.Tensor((NP1,), "int32"),
+        "state_indices": T.Tensor((NI, L) if pool == "token" else (NI,), "int32"),
+        "num_accepted_tokens": T.Tensor((NI,), "int32"),
+        "o": T.Tensor((B, Tn, HV, V), dtype), "ht": T.Tensor((SN, HV, K, V), "float32"),
     }
-    return sig, body
+    return sig, body_block
 
 
 def _prim(**kw):
-    """The T.prim_func for one variant (parameters: q,k,v,g,b,w[,h0][,cu_seqlens],o[,ht])."""
+    """The T.prim_func for one variant (parameters: q,k,v,g,b,w[,h0][,cu_seqlens][,state_indices]
+    [,num_accepted_tokens],o[,ht])."""
     import tilelang.language as T
 
     sig, body = _build(**kw)
-    q, k, v, g, b, w, h0, cu, o, ht = (sig[x] for x in ("q", "k", "v", "g", "b", "w", "h0", "cu_seqlens", "o", "ht"))
+    q, k, v, g, b, w, h0, cu, idx, acc_n, o, ht = (sig[x] for x in (
+        "q", "k", "v", "g", "b", "w", "h0", "cu_seqlens", "state_indices", "num_accepted_tokens", "o", "ht"))
 
     @T.prim_func
-    def main(q_: q, k_: k, v_: v, g_: g, b_: b, w_: w, h0_: h0, cu_seqlens_: cu, o_: o, ht_: ht):
-        body(q_, k_, v_, g_, b_, w_, h0_, cu_seqlens_, o_, ht_)
+    def main(q_: q, k_: k, v_: v, g_: g, b_: b, w_: w, h0_: h0, cu_seqlens_: cu, state_indices_: idx,
+             num_accepted_tokens_: acc_n, o_: o, ht_: ht):
+        body(q_, k_, v_, g_, b_, w_, h0_, cu_seqlens_, state_indices_, num_accepted_tokens_, o_, ht_)
 
     keep = ["q_", "k_", "v_", "g_", "b_", "w_"] + (["h0_"] if kw["use_h0"] else []) + (
-        ["cu_seqlens_"] if kw["varlen"] else []) + ["o_"] + (["ht_"] if kw["store_ht"] else [])
+        ["cu_seqlens_"] if kw["varlen"] else []) + (["state_indices_"] if kw.get("pool") else []) + (
+        ["num_accepted_tokens_"] if kw.get("spec") else []) + ["o_"] + (["ht_"] if kw["store_ht"] else [])
     return drop_params(main, keep)
 
 
@@ -204,7 +196,8 @@ def _sizes_fn(varlen: bool):
     def sizes(shapes):
         B, Tn = shapes["q"][0], shapes["q"][1]
         N = shapes["cu_seqlens"][0] - 1 if varlen else B
-        return {"B": int(B), "T": int(Tn), "N": int(N)}
+        P = shapes["h0"][0] if "h0" in shapes else N
+        return {"B": int(B), "T": int(Tn), "N": int(N), "P": int(P)}
 
     return sizes
 
@@ -212,41 +205,49 @@ def _sizes_fn(varlen: bool):
 def fused_recurrent_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                                  use_initial_state: bool, output_final_state: bool, varlen: bool,
                                  use_qk_l2norm: bool, inplace_state: bool = False, block_v: int | None = None,
-                                 threads: int | None = None, schedule: str = "block") -> Pipeline:
+                                 threads: int | None = None, state_pool: str | None = None,
+                                 num_accepted: bool = False) -> Pipeline:
     """Pipeline of the fused recurrent forward: one launch.
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]``, ``g,b [B,T,HV,K]`` (+ ``h0 [N,HV,K,V]`` fp32 when
     ``use_initial_state``, + ``cu_seqlens [N+1]`` int32 when ``varlen``). Outputs ``o [B,T,HV,V]`` (dtype) and,
     with ``output_final_state``, ``ht [N,HV,K,V]`` fp32. ``inplace_state`` declares ``ht`` as an alias of ``h0``
     (the runner may pass the same buffer for both: serving decode). ``block_v`` / ``threads`` override the
-    tile (V columns per block, threads per block) and ``schedule`` the grid for tuning: ``"block"`` (one block per
-    V-block) or ``"vloop"`` (one block per head walking its V-blocks, prefetching the next state slice).
+    tile (V columns per block, threads per block) for tuning.
+
+    ``state_pool`` (continuous batching, FLA's ``ssm_state_indices``): ``h0`` and ``ht`` are one pool
+    ``[P,HV,K,V]`` fp32, updated in place (needs ``inplace_state``), with the input ``state_indices`` int32:
+    ``"slot"``: ``[N]``, sequence n starts from slot ``state_indices[n]`` and its final state goes back there;
+    ``"token"``: ``[N,L]``, the state after token t of sequence n goes to slot ``state_indices[n,t]`` (t < L) and
+    the sequence starts from slot ``state_indices[n,0]``, or with ``num_accepted`` (input ``num_accepted_tokens``
+    ``[N]`` int32, FLA's speculative-decoding semantics) from slot ``state_indices[n, num_accepted_tokens[n]-1]``
+    (clamped to [1, L]). A slot outside ``[0, P)`` is padding: the sequence starts from zero and writes nothing.
     """
-    if dtype not in _DT or g_dtype not in _DT:
-        raise ValueError(f"fused_recurrent_fwd_pipeline: unsupported dtype {dtype!r} / g_dtype {g_dtype!r}")
-    if H < 1 or HV % H != 0:
-        raise ValueError(f"fused_recurrent_fwd_pipeline: HV={HV} must be a positive multiple of H={H}")
-    if K not in SUPPORTED_K or V not in SUPPORTED_V:
-        raise ValueError(f"fused_recurrent_fwd_pipeline: K={K} must be in {SUPPORTED_K} and V={V} in {SUPPORTED_V}")
+    fn = "fused_recurrent_fwd_pipeline"
+    registry.get("fused_recurrent_gdn2").support.check(fn, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype,
+                                                       scale=scale)
     if inplace_state and not (use_initial_state and output_final_state):
         raise ValueError("fused_recurrent_fwd_pipeline: inplace_state needs use_initial_state and output_final_state")
+    if state_pool not in (None, "slot", "token"):
+        raise ValueError(f"{fn}: state_pool must be None, 'slot' or 'token', got {state_pool!r}")
+    if state_pool and not inplace_state:
+        raise ValueError(f"{fn}: state_pool updates the pool in place: it needs inplace_state=True")
+    if num_accepted and state_pool != "token":
+        raise ValueError(f"{fn}: num_accepted needs state_pool='token'")
     scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"fused_recurrent_fwd_pipeline: scale must be finite, got {scale}")
     BV = default_block_v(V) if block_v is None else int(block_v)
     if V % BV:
         raise ValueError(f"fused_recurrent_fwd_pipeline: block_v={BV} must divide V={V}")
     threads = _threads(K, BV) if threads is None else int(threads)
     inputs = ("q", "k", "v", "g", "b", "w") + (("h0",) if use_initial_state else ()) + (
-        ("cu_seqlens",) if varlen else ())
+        ("cu_seqlens",) if varlen else ()) + (("state_indices",) if state_pool else ()) + (
+        ("num_accepted_tokens",) if num_accepted else ())
     outputs = (Buf("o", ("B", "T", HV, V), dtype),) + (
-        (Buf("ht", ("N", HV, K, V), "float32"),) if output_final_state else ())
-    if schedule not in ("block", "vloop"):
-        raise ValueError(f"fused_recurrent_fwd_pipeline: schedule must be 'block' or 'vloop', got {schedule!r}")
+        (Buf("ht", ("P" if state_pool else "N", HV, K, V), "float32"),) if output_final_state else ())
     kw = dict(H=H, HV=HV, K=K, V=V, BV=BV, dtype=dtype, g_dtype=g_dtype, scale=scale, use_h0=use_initial_state,
               store_ht=output_final_state, varlen=varlen, l2norm=use_qk_l2norm, threads=threads)
-    if schedule != "block":  # keeps the keys (and compiled kernels) of the default schedule unchanged
-        kw["schedule"] = schedule
+    if state_pool:
+        kw.update(pool=state_pool, spec=bool(num_accepted))
     launch = Launch(
         name="gdn2_recurrent_fwd",
         key=("gdn2_recurrent_fwd", 1) + tuple(sorted(kw.items())),

@@ -11,26 +11,10 @@ from __future__ import annotations
 
 import functools
 
-from . import _compile
+from . import _compile, registry
 from ._pipeline import Pipeline, launch_io, resolve_shape
 
-__all__ = ["chunk_gdn2", "fused_recurrent_gdn2", "run_pipeline", "chunk_pipeline", "recurrent_pipeline"]
-
-_DTYPE_NAMES = {"bfloat16", "float16", "float32"}
-
-
-@functools.lru_cache(maxsize=256)
-def chunk_pipeline(**kw) -> Pipeline:
-    from .chunk_fwd import chunk_fwd_pipeline
-
-    return chunk_fwd_pipeline(**kw)
-
-
-@functools.lru_cache(maxsize=256)
-def recurrent_pipeline(**kw) -> Pipeline:
-    from .recurrent_fwd import fused_recurrent_fwd_pipeline
-
-    return fused_recurrent_fwd_pipeline(**kw)
+__all__ = ["chunk_gdn2", "fused_recurrent_gdn2", "run_pipeline"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,12 +38,14 @@ def _plan(pipe: Pipeline) -> _Plan:
     return _Plan(pipe)
 
 
-def run_pipeline(pipe: Pipeline, inputs: dict, *, arch: str | None = None, out: dict | None = None) -> dict:
+def run_pipeline(pipe: Pipeline, inputs: dict, *, arch: str | None = None, out: dict | None = None,
+                 return_scratch: bool = False) -> dict:
     """Run ``pipe`` on torch CUDA tensors ``inputs`` (name -> tensor); return ``{output name: tensor}``.
 
     ``out`` may supply preallocated output tensors (e.g. ``{"ht": h0}`` for an aliased in-place state update,
     only where ``pipe.aliases`` allows it). Everything else is allocated with ``torch.empty`` on the inputs'
-    device; launches run in order on the current stream.
+    device; launches run in order on the current stream. ``return_scratch`` also returns the scratch buffers
+    (the intermediate results of earlier launches: what the stage-by-stage tests compare with their xla twins).
     """
     import torch
 
@@ -84,7 +70,8 @@ def run_pipeline(pipe: Pipeline, inputs: dict, *, arch: str | None = None, out: 
             bufs[b.name] = torch.empty(resolve_shape(b, sizes), dtype=_torch_dtype(b.dtype), device=dev)
     for la in pipe.launches:
         _compile.get_function(la, arch)(*[bufs[a] for a in la.args])
-    return {b.name: bufs[b.name] for b in pipe.outputs}
+    keep = tuple(pipe.outputs) + (tuple(pipe.scratch) if return_scratch else ())
+    return {b.name: bufs[b.name] for b in keep}
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,10 +81,11 @@ def _dtype_names() -> dict:
     return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def _check(fn, q, k, v, g, b, w, initial_state, cu_seqlens):
+def _check(op: registry.KernelOp, q, k, v, g, b, w, initial_state, cu_seqlens, pool=False):
     """Shape / dtype / device checks (cheap: this runs on every decode step). Returns the pipeline dims."""
     import torch
 
+    fn = op.name
     names = _dtype_names()
     try:
         B, T, H, K = q.shape
@@ -114,59 +102,59 @@ def _check(fn, q, k, v, g, b, w, initial_state, cu_seqlens):
             raise ValueError(f"{fn}: `{name}` must be on a CUDA device, got {x.device}")
     if HV % H:
         raise ValueError(f"{fn}: HV={HV} (from `v`) must be a multiple of H={H} (from `q`)")
-    dt = names.get(q.dtype)
-    if dt not in ("bfloat16", "float16"):
-        raise TypeError(f"{fn}: `q` must be bfloat16 or float16, got {q.dtype}")
-    for name, x in (("k", k), ("v", v), ("b", b), ("w", w)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{fn}: `{name}` must have q's dtype {q.dtype}, got {x.dtype}")
-    gdt = names.get(g.dtype)
-    if gdt not in ("float32", "bfloat16"):
-        raise TypeError(f"{fn}: `g` must be float32 or bfloat16, got {g.dtype}")
+    dt, gdt = names.get(q.dtype, str(q.dtype)), names.get(g.dtype, str(g.dtype))
+    err = op.support.problem(dtypes={n: names.get(x.dtype, str(x.dtype)) for n, x in
+                                     (("q", q), ("k", k), ("v", v), ("b", b), ("w", w))},
+                             g_dtype=gdt, K=K, V=V)
+    if err is not None:
+        raise type(err)(f"{fn}: {err}")
     N = B
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"{fn}: with `cu_seqlens` the batch size must be 1, got B={B}")
         N = cu_seqlens.numel() - 1
     if initial_state is not None:
-        if initial_state.shape != (N, HV, K, V) or initial_state.dtype != torch.float32:
-            raise ValueError(f"{fn}: `initial_state` must be float32 {(N, HV, K, V)}, got "
+        want = (initial_state.shape[0] if pool else N, HV, K, V)
+        if initial_state.shape != want or initial_state.dtype != torch.float32:
+            raise ValueError(f"{fn}: `initial_state` must be float32 {('P',) + want[1:] if pool else want}, got "
                              f"{initial_state.dtype} {tuple(initial_state.shape)}")
     return H, HV, K, V, dt, gdt
 
 
-def _inputs(q, k, v, g, b, w, initial_state, cu_seqlens):
+def _inputs(q, k, v, g, b, w, initial_state, cu_seqlens, state_indices=None, num_accepted_tokens=None):
     import torch
 
     ins = dict(q=q, k=k, v=v, g=g, b=b, w=w)
     if initial_state is not None:
         ins["h0"] = initial_state
-    if cu_seqlens is not None:
-        ins["cu_seqlens"] = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    for name, x in (("cu_seqlens", cu_seqlens), ("state_indices", state_indices),
+                    ("num_accepted_tokens", num_accepted_tokens)):
+        if x is not None:
+            ins[name] = x.to(device=q.device, dtype=torch.int32)
     return {n: (x if x.is_contiguous() else x.contiguous()) for n, x in ins.items()}
 
 
-def _run(kind, q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-         inplace_final_state=False):
-    fn = "chunk_gdn2" if kind == "chunk" else "fused_recurrent_gdn2"
-    H, HV, K, V, dt, gdt = _check(fn, q, k, v, g, b, w, initial_state, cu_seqlens)
-    scale = K ** -0.5 if scale is None else float(scale)
-    kw = dict(H=H, HV=HV, K=K, V=V, dtype=dt, g_dtype=gdt, scale=scale, use_initial_state=initial_state is not None,
-              output_final_state=bool(output_final_state), varlen=cu_seqlens is not None,
-              use_qk_l2norm=bool(use_qk_l2norm_in_kernel))
+def _run(name, q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+         ssm_state_indices=None, num_accepted_tokens=None, **options):
+    op = registry.get(name)
+    H, HV, K, V, dt, gdt = _check(op, q, k, v, g, b, w, initial_state, cu_seqlens, pool=ssm_state_indices is not None)
+    if ssm_state_indices is not None:
+        if initial_state is None:
+            raise ValueError(f"{name}: `ssm_state_indices` needs the state pool as `initial_state`")
+        options.update(inplace_state=True, state_pool="slot" if ssm_state_indices.dim() == 1 else "token",
+                       num_accepted=num_accepted_tokens is not None)
     out = None
-    if kind == "chunk":
-        pipe = chunk_pipeline(**kw)
-    else:
-        if inplace_final_state:
-            if initial_state is None or not initial_state.is_contiguous():
-                raise ValueError(f"{fn}: inplace_final_state needs a contiguous `initial_state`")
-            kw["output_final_state"] = True
-        pipe = recurrent_pipeline(**kw, inplace_state=bool(inplace_final_state))
-        if inplace_final_state:
-            out = {"ht": initial_state}
-    res = run_pipeline(pipe, _inputs(q, k, v, g, b, w, initial_state, cu_seqlens), out=out)
-    return res["o"], res.get("ht") if kw["output_final_state"] else None
+    if options.get("inplace_state"):
+        if initial_state is None or not initial_state.is_contiguous():
+            raise ValueError(f"{name}: inplace_final_state needs a contiguous `initial_state`")
+        output_final_state = True
+        out = {"ht": initial_state}
+    cfg = registry.config(H=H, HV=HV, K=K, V=V, dtype=dt, g_dtype=gdt, scale=K ** -0.5 if scale is None else scale,
+                          use_initial_state=initial_state is not None, output_final_state=output_final_state,
+                          varlen=cu_seqlens is not None, use_qk_l2norm=use_qk_l2norm_in_kernel, **options)
+    res = run_pipeline(op.pipeline(**cfg), _inputs(q, k, v, g, b, w, initial_state, cu_seqlens, ssm_state_indices,
+                                                   num_accepted_tokens), out=out)
+    return res["o"], res.get("ht") if output_final_state else None
 
 
 def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_state=False,
@@ -176,16 +164,21 @@ def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_st
     q,k ``[B,T,H,K]`` bf16/fp16; v,w ``[B,T,HV,V]``; g ``[B,T,HV,K]`` fp32/bf16 natural-log decay; b ``[B,T,HV,K]``;
     initial_state ``[N,HV,K,V]`` fp32; cu_seqlens ``[N+1]`` int (B == 1). o has q's dtype; final state fp32.
     """
-    return _run("chunk", q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    return _run("chunk_gdn2", q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 cu_seqlens)
 
 
 def fused_recurrent_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_state=False,
-                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, inplace_final_state=False):
+                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, inplace_final_state=False,
+                         ssm_state_indices=None, num_accepted_tokens=None):
     """Token-recurrent GDN-2 forward (decode) on torch CUDA tensors. Returns ``(o, final_state or None)``.
 
     Same arguments as :func:`chunk_gdn2` (``scale`` is the 7th positional argument here, unlike FLA, where it is
     ``A_log``). ``inplace_final_state=True`` writes the new state into ``initial_state`` (serving) and returns it.
+    ``ssm_state_indices`` ``[N]`` / ``[N, L]`` (+ ``num_accepted_tokens`` ``[N]``) update the state pool
+    ``initial_state`` ``[P, HV, K, V]`` in place, with the semantics of ``gdn2_jax.fused_recurrent_gdn2`` (indices
+    are not validated here: slots must be < P and distinct).
     """
-    return _run("recurrent", q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                cu_seqlens, inplace_final_state=inplace_final_state)
+    return _run("fused_recurrent_gdn2", q, k, v, g, b, w, scale, initial_state, output_final_state,
+                use_qk_l2norm_in_kernel, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                **({"inplace_state": True} if inplace_final_state else {}))

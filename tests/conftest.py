@@ -54,9 +54,9 @@ def nvidia_gpu_present() -> bool:
 
 
 def cuda_ready() -> tuple[bool, str]:
-    from gdn2_jax import _backend
+    from gdn2_jax import backends
 
-    if not _backend.cuda_extra_installed():
+    if not backends.cuda_extra_installed():
         return False, "the cuda extra (tilelang, apache-tvm-ffi, jax-tvm-ffi) is not installed"
     if not nvidia_gpu_present():
         return False, "no NVIDIA GPU visible to JAX"

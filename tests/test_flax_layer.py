@@ -18,7 +18,7 @@ from flax import nnx
 
 from flax_layers import (GatedDeltaNet2, GDN2Cache, cache_from_fla, cache_to_fla, from_fla_state_dict,
                          load_fla_state_dict, to_fla_state_dict)
-from gdn2_jax import _backend, naive_recurrent_gdn2
+from gdn2_jax import backends, naive_recurrent_gdn2
 
 D_MODEL, HEAD_DIM, H = 24, 8, 2
 
@@ -471,7 +471,7 @@ def test_valid_argument_variants_agree():
     assert_cache_close(c_ref, c_jit, 1e-5)
 
 
-@pytest.mark.skipif(_backend.tilelang_available("chunk_gdn2"), reason="the TileLang kernels can run here")
+@pytest.mark.skipif(backends.tilelang_available("chunk_gdn2"), reason="the TileLang kernels can run here")
 @pytest.mark.parametrize("deterministic,arg", [(True, "backend"), (False, "train_backend")])
 @pytest.mark.parametrize("T", [5, 70])  # fused_recurrent (T <= 64 in inference) and chunk
 def test_unavailable_tilelang_backend_raises_before_computing(deterministic, arg, T):

@@ -26,13 +26,12 @@ import numpy as np
 import pytest
 
 import gdn2_jax
-from gdn2_jax import _ffi, _tilelang_ops
-from kernels import _compile
+from gdn2_jax import _tilelang
+from kernels import _compile, registry
 from kernels._pipeline import Buf, Launch, Pipeline, launch_io
 from kernels.recurrent_fwd import fused_recurrent_fwd_pipeline
 
 HAS_TILELANG = all(importlib.util.find_spec(m) is not None for m in ("tilelang", "tvm_ffi"))
-HAS_CHUNK = importlib.util.find_spec("kernels.chunk_fwd") is not None
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG, reason="tilelang / tvm_ffi (the cuda extra) not installed")
 ROOT = Path(__file__).resolve().parents[1]
 S = jax.ShapeDtypeStruct
@@ -42,11 +41,11 @@ BF = jnp.bfloat16
 @pytest.fixture(autouse=True)
 def _pretend_hopper(monkeypatch):
     """Lowering for CUDA needs no GPU: let backend="tilelang" pass the device check on this CPU host (nothing is
-    compiled or run; ``_ffi`` registers targets only when JAX really has CUDA devices)."""
-    from gdn2_jax import _backend
+    compiled or run; ``_tilelang`` registers targets only when JAX really has CUDA devices)."""
+    from gdn2_jax import backends
 
-    monkeypatch.setattr(_backend, "tilelang_supported_device", lambda: True)
-    monkeypatch.setattr(_backend, "cuda_extra_installed", lambda: True)
+    monkeypatch.setattr(backends, "tilelang_supported_device", lambda: True)
+    monkeypatch.setattr(backends, "cuda_extra_installed", lambda: True)
 
 
 def _specs(B, T, H, HV, K, V, dtype=BF, g_dtype=jnp.float32, N=None):
@@ -121,22 +120,22 @@ def test_lowering_vmap_folds_into_batch_and_varlen():
     assert "tensor<13xi32>" in calls[0]
 
 
-def test_lowering_inplace_state_alias_when_donated():
+def test_lowering_inplace_state_alias_when_donated(monkeypatch):
     def f(q, k, v, g, b, w, h0):
-        return _tilelang_ops.fused_recurrent_gdn2_inplace(q, k, v, g, b, w, h0)
+        return gdn2_jax.fused_recurrent_gdn2(q, k, v, g, b, w, initial_state=h0, inplace_final_state=True,
+                                             backend="tilelang")
 
     txt = _lower(f, _specs(2, 1, 2, 4, 64, 64), donate_argnums=6)
     calls = _custom_calls(txt)
     assert len(calls) == 1 and "output_operand_alias<output_tuple_indices = [1], operand_index = 6" in calls[0]
     assert "tf.aliasing_output = 1" in txt  # the donated jit argument is reused for the new state
     name = re.search(r"custom_call @(\w+)\(", calls[0]).group(1)
-    txt_g = _lower(lambda *a: _tilelang_ops.fused_recurrent_gdn2_inplace(*a, cuda_graph=True),
-                   _specs(2, 1, 2, 4, 64, 64), donate_argnums=6)
+    monkeypatch.setenv("GDN2_JAX_CUDA_GRAPH", "1")  # read at trace time: a new function, not jit's cached trace
+    txt_g = _lower(lambda *a: f(*a), _specs(2, 1, 2, 4, 64, 64), donate_argnums=6)
     # the CUDA-graph-capturable registration is a separate target of the same kernel
     assert re.findall(r"custom_call @(\w+)\(", txt_g) == [name + "_cg"]
 
 
-@pytest.mark.skipif(not HAS_CHUNK, reason="kernels/chunk_fwd.py not present")
 def test_lowering_chunk_custom_calls():
     def f(q, k, v, g, b, w, h0):
         return gdn2_jax.chunk_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True, backend="tilelang")
@@ -168,7 +167,7 @@ def test_generic_runner_maps_launches_to_ffi_calls():
     assert launch_io(pipe, 0) == (("x",), ("A", "o"), ("A", "o"))
     assert launch_io(pipe, 1) == (("x",), ("A", "o"), ())
     assert launch_io(pipe, 2) == (("A", "x"), ("p",), ("p",))
-    txt = _lower(lambda x: _ffi.run_pipeline(pipe, {"x": x}, register_targets=False),
+    txt = _lower(lambda x: _tilelang.run_pipeline(pipe, {"x": x}, register_targets=False),
                  [S((3, 5), jnp.float32)])
     calls = _custom_calls(txt)
     assert len(calls) == 3
@@ -208,8 +207,6 @@ def _arrays(dtype=BF, K=64, V=64, g_dtype=jnp.float32):
 
 @pytest.mark.parametrize("op", ["fused_recurrent_gdn2", "chunk_gdn2"])
 def test_tilelang_rejects_unsupported_inputs_before_any_call(op):
-    if op not in _tilelang_ops.IMPLEMENTED:
-        pytest.skip(f"{op} has no tilelang path here")
     fn = getattr(gdn2_jax, op)
     with pytest.raises(TypeError, match=r"`q` in bfloat16 or float16"):
         fn(*_arrays(jnp.float32), backend="tilelang")
@@ -275,7 +272,7 @@ def test_two_processes_compile_the_same_kernel_into_one_valid_library(tmp_path):
     the second process waits on the lock and reuses the first one's file)."""
     script = textwrap.dedent("""
         import sys, time
-        from kernels import _compile
+        from kernels import _compile, registry
         from kernels.recurrent_fwd import fused_recurrent_fwd_pipeline
         la = fused_recurrent_fwd_pipeline(H=1, HV=2, K=32, V=32, dtype="float16", g_dtype="float32", scale=0.2,
                                           use_initial_state=False, output_final_state=True, varlen=True,
@@ -303,13 +300,10 @@ def _kernels_to_build():
     out = [("recurrent-dense", _rec(K=128, V=128)),
            ("recurrent-varlen-l2-fp16-nostate", _rec(dtype="float16", g_dtype="bfloat16", use_initial_state=False,
                                                      output_final_state=False, varlen=True, use_qk_l2norm=True))]
-    if HAS_CHUNK:
-        from kernels.chunk_fwd import chunk_fwd_pipeline
-
-        for varlen in (False, True):
-            out.append((f"chunk-varlen{varlen}", chunk_fwd_pipeline(
-                H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
-                use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=varlen)))
+    for varlen in (False, True):
+        out.append((f"chunk-varlen{varlen}", registry.get("chunk_gdn2").pipeline(
+            H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+            use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=varlen)))
     return out
 
 

@@ -1,0 +1,202 @@
+"""The xla backend of ``chunk_gdn2`` and the ``naive_chunk_gdn2`` reference: the five stages composed.
+
+Per chunk (forward, then the hand-written VJP of spec §7.2 in FLA's kernel order)::
+
+    forward   cumsum.chunk_gates -> chunk_intra.intra_fwd, solve_fwd -> wy_fast.wy_fwd
+              -> chunk_delta_h.state_fwd -> chunk_o.o_fwd
+    backward  chunk_o.o_bwd -> chunk_delta_h.state_bwd -> wy_fast.wy_bwd -> chunk_intra.solve_bwd, intra_bwd
+              -> cumsum.chunk_local_cumsum_bwd
+
+Everything runs on chunk-major arrays ``[NC, B, HV, C, D]`` (``layout``): a ``lax.scan`` over the NC chunks, the
+B sequences and HV heads in parallel. :func:`chunk_forward` wraps the scan in a ``jax.custom_vjp`` whose
+backward is a forward state pass (the chunk start states, FLA's ``h``) and then a reverse scan of the per-chunk
+VJP, so its residuals are the inputs only: O(T/C) states, never per-token states. :func:`naive_chunk_forward`
+is the same forward differentiated by plain autodiff (each chunk rematerialised).
+
+No factor ``exp(-G)`` is ever formed (``cumsum``), so g down to -60 per token gives finite outputs and gradients.
+:func:`intra_stage` is the xla twin of the kernels' intra-chunk launch (GPU tests compare them stage by stage).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels._common import CHUNK
+
+from . import layout
+from .chunk_delta_h import state_bwd, state_fwd
+from .chunk_intra import intra_bwd, intra_fwd, solve_bwd, solve_fwd
+from .chunk_o import o_bwd, o_fwd
+from .common import prepare_qk
+from .cumsum import chunk_gates, chunk_local_cumsum_bwd
+from .wy_fast import wy_bwd, wy_fwd
+
+__all__ = ["CHUNK_SIZE", "chunk_forward", "naive_chunk_forward", "chunk_fwd_one", "chunk_bwd_one", "intra_stage"]
+
+CHUNK_SIZE = CHUNK
+
+
+# --------------------------------------------------------------------------------------------------
+# One chunk
+# --------------------------------------------------------------------------------------------------
+def _stages_fwd(q, k, v, g, b, w, scale):
+    """Stages 1-3 of one chunk (everything that does not depend on the start state)."""
+    gates = chunk_gates(g)
+    Aqk, T = intra_fwd(q, k, b, gates, scale)
+    A = solve_fwd(T)
+    return gates, Aqk, A, wy_fwd(A, q, k, v, b, w, gates, scale)
+
+
+def chunk_fwd_one(q, k, v, g, b, w, S0, scale, with_output=True):
+    """One chunk forward: q, k, g, b ``[..., C, K]``, v, w ``[..., C, V]``, S0 ``[..., K, V]`` (compute dtype).
+
+    Returns ``(O [..., C, V] or None, S_next [..., K, V])``.
+    """
+    gates, Aqk, _, wy = _stages_fwd(q, k, v, g, b, w, scale)
+    R, S_next = state_fwd(wy.Y, wy.U, wy.KG, gates.gamC, S0)
+    return (o_fwd(wy.QG, S0, Aqk, R) if with_output else None), S_next
+
+
+def chunk_bwd_one(q, k, v, g, b, w, S0, dO, dS_end, scale):
+    """Chunk-level VJP of spec §7.2 for one chunk (shapes as :func:`chunk_fwd_one`; dO like O, dS_end like S0).
+
+    Recomputes the chunk's forward (FLA's recomputation policy), then runs the stages in reverse.
+    Returns ``((dq, dk, dv, dg, db, dw), dS0)``.
+    """
+    gates, Aqk, A, wy = _stages_fwd(q, k, v, g, b, w, scale)
+    R, _ = state_fwd(wy.Y, wy.U, wy.KG, gates.gamC, S0)
+    dQG, dS0_o, dAqk, dR_o = o_bwd(wy.QG, S0, Aqk, R, dO)
+    dS0, dY, dU, dKG, dG_C = state_bwd(wy.Y, wy.KG, gates.gamC, S0, R, dR_o, dS0_o, dS_end)
+    dq_w, dk_w, dv, db_w, dw, dG_w, dA = wy_bwd(A, k, v, b, w, gates, wy, dY, dU, dQG, dKG, scale)
+    dq_i, dk_i, db_i, dG_i = intra_bwd(q, k, b, gates, dAqk, solve_bwd(A, dA), scale)
+    dG = (dG_w + dG_i).at[..., -1, :].add(dG_C)
+    return (dq_w + dq_i, dk_w + dk_i, dv, chunk_local_cumsum_bwd(dG), db_w + db_i, dw), dS0
+
+
+# --------------------------------------------------------------------------------------------------
+# Scan over chunks (chunk-major layout [NC, B, HV, C, D]; seq/reset [NC, B])
+# --------------------------------------------------------------------------------------------------
+def _start_state(h0, sq, rs, S):
+    return jnp.where(rs[:, None, None, None], h0[sq], S)
+
+
+def _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset, *, states_only=False, remat=False):
+    """Forward over all chunks. Returns (O [NC,B,HV,C,V], S_end [NC,B,HV,K,V]); with ``states_only``
+    returns the chunk START states S0 [NC,B,HV,K,V] (the backward's state pass) and skips the outputs."""
+    def body(S, xs):
+        qc, kc, vc, gc, bc, wc, sq, rs = xs
+        S0 = _start_state(h0, sq, rs, S)
+        O, S_next = chunk_fwd_one(qc, kc, vc, gc, bc, wc, S0, scale, with_output=not states_only)
+        return S_next, (S0 if states_only else (O, S_next))
+
+    if remat:
+        body = jax.checkpoint(body)
+    NC, B, HV, _, K = q.shape
+    S_init = jnp.zeros((B, HV, K, v.shape[-1]), h0.dtype)
+    _, ys = lax.scan(body, S_init, (q, k, v, g, b, w, seq, reset))
+    return ys
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunk_core(scale, q, k, v, g, b, w, h0, seq, reset):
+    return _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset)
+
+
+def _chunk_core_fwd(scale, q, k, v, g, b, w, h0, seq, reset):
+    out = _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset)
+    # Residuals: the (chunk-major) inputs only; states are recomputed in the backward.
+    return out, (q, k, v, g, b, w, h0, seq, reset)
+
+
+def _chunk_core_bwd(scale, res, cts):
+    q, k, v, g, b, w, h0, seq, reset = res
+    dO, dS_end_all = cts
+    # 1. state pass: chunk start states S0 (= FLA's h), O(T/C) states
+    S0s = _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset, states_only=True)
+    # 2. reverse pass over chunks. Chunk c's end-state gradient is the next chunk's dS0 unless the next chunk
+    #    restarts from h0 (sequence boundary), plus any cotangent on S_end[c] itself (final states).
+    reset_next = jnp.concatenate([reset[1:], jnp.ones_like(reset[:1])], axis=0)
+
+    def body(dS_next, xs):
+        qc, kc, vc, gc, bc, wc, S0, dOc, dSc, rn, rs = xs
+        dS_end = jnp.where(rn[:, None, None, None], jnp.zeros_like(dS_next), dS_next) + dSc
+        grads, dS0 = chunk_bwd_one(qc, kc, vc, gc, bc, wc, S0, dOc, dS_end, scale)
+        return dS0, (grads, jnp.where(rs[:, None, None, None], dS0, jnp.zeros_like(dS0)))
+
+    zero = jnp.zeros(S0s.shape[1:], S0s.dtype)
+    _, (grads, dh0_chunks) = lax.scan(body, zero, (q, k, v, g, b, w, S0s, dO, dS_end_all, reset_next, reset),
+                                      reverse=True)
+    dh0 = jnp.zeros_like(h0).at[seq.reshape(-1)].add(dh0_chunks.reshape((-1,) + h0.shape[1:]))
+    return (*grads, dh0, None, None)
+
+
+_chunk_core.defvjp(_chunk_core_fwd, _chunk_core_bwd)
+
+
+def _naive_core(scale, q, k, v, g, b, w, h0, seq, reset):
+    return _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset, remat=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Token-major entry points (the implementations behind the public ops)
+# --------------------------------------------------------------------------------------------------
+def _chunked(core, p, q, k, v, g, b, w, initial_state, cu_seqlens, C: int):
+    """L2 norm + GVA repeat (plain autodiff), layout to chunks, ``core``, layout back."""
+    dims = p.dims
+    cdt = dims.compute_dtype
+    out_dtype = jax.dtypes.canonicalize_dtype(q.dtype)  # numpy float64 without x64 -> float32
+    q, k = prepare_qk(q, k, dims.group, p.use_qk_l2norm_in_kernel)
+    h0 = (jnp.zeros((dims.N, dims.HV, dims.K, dims.V), cdt) if initial_state is None
+          else jnp.asarray(initial_state).astype(cdt))
+    xs = [jnp.asarray(x).astype(cdt) for x in (q, k, v, g, b, w)]
+    if cu_seqlens is None:
+        xs = [layout.dense_to_chunks(x, C) for x in xs]
+        NC = xs[0].shape[0]
+        seq = jnp.broadcast_to(jnp.arange(dims.B, dtype=jnp.int32)[None], (NC, dims.B))
+        reset = jnp.broadcast_to((jnp.arange(NC) == 0)[:, None], (NC, dims.B))
+        o, S_end = core(dims.scale, *xs, h0, seq, reset)
+        o = layout.dense_from_chunks(o, dims.T)
+        final = S_end[-1]
+    else:
+        plan = layout.varlen_plan(cu_seqlens, dims.T, C)
+        xs = [layout.varlen_to_chunks(x, plan) for x in xs]
+        o, S_end = core(dims.scale, *xs, h0, plan.seq[:, None], plan.reset[:, None])
+        o = layout.varlen_from_chunks(o, plan)
+        final = jnp.where(plan.has[:, None, None, None], S_end[plan.last, 0], h0)
+    return o.astype(out_dtype), (final if p.output_final_state else None)
+
+
+def chunk_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens):
+    """xla backend of ``chunk_gdn2`` for a validated call ``p`` (``gdn2_jax.validation.Problem``): the chunk scan
+    (C = 64) with the hand-written §7.2 VJP. Returns ``(o [B, T, HV, V] in q's dtype, final state or None)``."""
+    return _chunked(_chunk_core, p, q, k, v, g, b, w, initial_state, cu_seqlens, CHUNK_SIZE)
+
+
+def naive_chunk_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens):
+    """``naive_chunk_gdn2`` for a validated call: the same chunk forward differentiated by plain autodiff, with
+    ``chunk_size`` from ``p.options`` (clamped to T: a longer chunk is only zero padding)."""
+    C = min(int(dict(p.options)["chunk_size"]), max(p.dims.T, 1))
+    return _chunked(_naive_core, p, q, k, v, g, b, w, initial_state, cu_seqlens, C)
+
+
+def intra_stage(q, k, v, g, b, w, *, scale: float, use_qk_l2norm_in_kernel: bool = False):
+    """xla twin of the intra-chunk kernel launch (``kernels/chunk_fwd.py``, ``gdn2_chunk_intra``) for dense input.
+
+    q, k ``[B, T, H, K]``; v, w ``[B, T, HV, V]``; g, b ``[B, T, HV, K]`` (any float dtype; math in float32, float64
+    under x64 for float64 inputs). Returns a dict of the kernel's scratch buffers in its layouts:
+    ``Aqk [B, T, HV, 64]``, ``Y, QG, KG [B, T, HV, K]``, ``U [B, T, HV, V]`` (token-major) and
+    ``GAM [B, NT, HV, K]`` (NT = ceil(T / 64)), in the compute dtype.
+    """
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    cdt = jnp.promote_types(jnp.result_type(q, k, v, g, b, w), jnp.float32)
+    q, k = prepare_qk(q, k, HV // H, use_qk_l2norm_in_kernel)
+    xs = [layout.dense_to_chunks(jnp.asarray(x).astype(cdt), CHUNK_SIZE) for x in (q, k, v, g, b, w)]
+    gates, Aqk, _, wy = _stages_fwd(*xs, scale)
+    tok = functools.partial(layout.dense_from_chunks, T=T)
+    return dict(Aqk=tok(Aqk), Y=tok(wy.Y), U=tok(wy.U), QG=tok(wy.QG), KG=tok(wy.KG),
+                GAM=jnp.moveaxis(gates.gamC, 0, 1))

@@ -1,0 +1,98 @@
+"""Stage 2 of the chunk form: intra-chunk scores ``Aqk``, ``T`` and the solve ``A = (I + T)^-1``, with their backward.
+
+FLA ``fla/ops/gdn2/chunk_intra.py`` (``chunk_gdn2_fwd_intra``, ``chunk_gdn2_bwd_intra``). Per chunk of C rows r, s::
+
+    Aqk_rs = scale sum_d q_rd k_sd Gam_rsd                 s <= r   (the scaled score, diagonal included)
+    T_rs   =       sum_d b_rd k_rd k_sd Gam_rsd           s <  r   (FLA ``Akk`` before the solve)
+    A      = (I + T)^-1                                            (unit lower triangular)
+
+Backward, from the cotangents dAqk (of the scaled score) and dT::
+
+    dq_r += scale sum_s dAqk_rs k_s Gam_rs        dk_s += scale sum_r dAqk_rs q_r Gam_rs
+    P_r   = sum_s dT_rs k_s Gam_rs                 db_r += k_r P_r,   dk_r += b_r P_r
+    Qc_s  = sum_r dT_rs b_r k_r Gam_rs             dk_s += Qc_s
+    dG_r += q_r dq_r(scores) + b_r k_r P_r - k_r (dk_r(Aqk) + Qc_r)   (Gam_rs = exp(G_r - G_s))
+
+and the solve's: ``dT = -tril(A^T dA A^T, -1)``.
+
+Kernel twin: ``kernels/chunk_fwd.py`` launch 1 (``gdn2_chunk_intra``) stores ``Aqk`` ``[B, T, HV, 64]`` (input
+dtype) and keeps T and A on chip. Shapes below: leading ``...`` are batch dims (chunks, sequences, heads).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .common import ein, masks
+from .cumsum import Gates
+
+__all__ = ["intra_fwd", "intra_bwd", "solve_fwd", "solve_bwd", "unit_lower_inverse"]
+
+
+def intra_fwd(q, k, b, gates: Gates, scale: float):
+    """Scores of one chunk: q, k, b ``[..., C, K]`` (compute dtype), ``gates`` from ``cumsum.chunk_gates``.
+
+    Returns ``(Aqk, T)``, each ``[..., C, C]``: Aqk scaled and lower triangular with its diagonal, T strictly
+    lower triangular.
+    """
+    strict = masks(q.shape[-2])[1]
+    Aqk = scale * ein("...rd,...sd,...rsd->...rs", q, k, gates.Gam)
+    T = ein("...rd,...sd,...rsd->...rs", b * k, k, gates.Gam) * strict.astype(q.dtype)
+    return Aqk, T
+
+
+def intra_bwd(q, k, b, gates: Gates, dAqk, dT, scale: float):
+    """Backward of :func:`intra_fwd`: cotangents dAqk, dT ``[..., C, C]`` (dAqk of the *scaled* score, masked to
+    s <= r; dT strictly lower). Returns ``(dq, dk, db, dG)`` ``[..., C, K]``: the scores' shares of the gradients
+    w.r.t. q, k, b and the cumulative decay G."""
+    dq = scale * ein("...rs,...sd,...rsd->...rd", dAqk, k, gates.Gam)
+    dk_aqk = scale * ein("...rs,...rd,...rsd->...sd", dAqk, q, gates.Gam)
+    P = ein("...rs,...sd,...rsd->...rd", dT, k, gates.Gam)          # row side of T
+    Qcol = ein("...rs,...rd,...rsd->...sd", dT, b * k, gates.Gam)   # column side of T
+    db = k * P
+    dk = b * P + dk_aqk + Qcol
+    dG = q * dq + b * k * P - k * (dk_aqk + Qcol)
+    return dq, dk, db, dG
+
+
+def unit_lower_inverse(T):
+    """(I + T)^-1 for strictly lower-triangular T ``[..., C, C]``, by recursive 2x2 block inversion.
+
+    ``[[A, 0], [X, B]]^-1 = [[A^-1, 0], [-B^-1 X A^-1, B^-1]]``, merged level by level from 1x1 diagonal blocks
+    (each 1) up to C x C: log2(C) rounds of two batched matmuls, the same products forward substitution forms,
+    in a different order. Used instead of ``lax.linalg.triangular_solve`` because jaxlib's CPU triangular
+    solve (``TriMatrixEquationSolverKernel``, jaxlib 0.10) fans out into the XLA intra-op thread pool it
+    already runs on and waits there: two such solves in parallel on a 2-thread pool deadlock (seen here twice,
+    every thread parked on a futex). Matmuls also suit accelerators better than a 64-step substitution.
+    C need not be a power of two: the matrix is padded with an identity block, whose inverse is itself.
+    """
+    C = T.shape[-1]
+    P = 1 << max(0, (C - 1).bit_length())
+    M = jnp.eye(P, dtype=T.dtype) + jnp.pad(T, [(0, 0)] * (T.ndim - 2) + [(0, P - C), (0, P - C)])
+    batch = M.shape[:-2]
+    inv = jnp.ones(batch + (P, 1, 1), T.dtype)  # inverses of the 1x1 diagonal blocks
+    s = 1
+    while s < P:
+        n = P // (2 * s)
+        Mb = M.reshape(batch + (n, 2 * s, n, 2 * s))
+        diag = jnp.moveaxis(jnp.diagonal(Mb, axis1=-4, axis2=-2), -1, -3)  # [..., n, 2s, 2s]
+        X = diag[..., s:, :s]
+        Ai, Bi = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        lower = -ein("...ij,...jk,...kl->...il", Bi, X, Ai)
+        top = jnp.concatenate([Ai, jnp.zeros_like(Ai)], axis=-1)
+        bottom = jnp.concatenate([lower, Bi], axis=-1)
+        inv = jnp.concatenate([top, bottom], axis=-2)
+        s *= 2
+    return inv[..., 0, :C, :C]
+
+
+def solve_fwd(T):
+    """``A = (I + T)^-1`` ``[..., C, C]`` for the strictly lower T of :func:`intra_fwd` (FLA ``solve_tril``)."""
+    return unit_lower_inverse(T)
+
+
+def solve_bwd(A, dA):
+    """Backward of :func:`solve_fwd`: ``dT = -tril(A^T dA A^T, -1)`` ``[..., C, C]`` (T is strictly lower)."""
+    strict = masks(A.shape[-1])[1].astype(A.dtype)
+    AtdA = ein("...ir,...is->...rs", A, dA)
+    return -ein("...rj,...sj->...rs", AtdA, A) * strict
