@@ -2,7 +2,7 @@
 # GPU session driver (device machine), from the repository root:  bash benchmarks/run_gpu.sh STEP[,STEP...]
 #   build   compile what the carried kernel cache (.kcache/) lacks (-j 15); the cache comes back as kcache.tgz
 #   tests   every `cuda` test (pytest -n 6); with `parity` in the same call the FLA layer-parity test runs in its
-#           own process alongside (its Triton autotune results come back as fla-autotune-new.tgz)
+#           own process alongside all other steps (its Triton autotune results come back as fla-autotune-new.tgz)
 #   parity  the FLA layer-parity test alone, timed (issue 9: < 120 s with the autotune cache carried in .gpu/)
 #   decode  benchmarks/decode_paths.py (decode paths, state copies in the compiled HLO), plain and CUDA-graph
 #   bench   python -m benchmarks.bench (the benchmark of record; json/md/png and latest.json into $OUT)
@@ -34,10 +34,7 @@ if has tests; then
   timeout ${T_TESTS:-420} python -m pytest -m cuda -q -p no:cacheprovider -rs -n ${NPROC:-6} \
       --ignore=tests/test_flax_fla_parity.py 2>&1 | quiet | tee -a "$LOG" | tail -${TAIL_TESTS:-25}
 fi
-if [[ -n "${PARITY_PID:-}" ]]; then
-  wait $PARITY_PID; step parity-in-parallel; quiet < "$OUT/parity.part" | tee -a "$LOG" | tail -12
-  rm -f "$OUT/parity.part"
-elif has parity; then
+if has parity && ! has tests; then
   step parity; t0=$(date +%s)
   timeout ${T_PARITY:-200} python -m pytest tests/test_flax_fla_parity.py -v -rs -p no:cacheprovider 2>&1 \
       | quiet | tee -a "$LOG" | tail -12
@@ -68,6 +65,10 @@ if has ncu; then
       --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
       python -m benchmarks.profile_chunk --B 4 --T 4096 --H 32 2>&1 | quiet > "$OUT/ncu.txt"
   grep -E "main_kernel|Duration|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Theoretical Occ|Issued Ipc|No Eligible|Stall|DRAM Throughput|L1/TEX Hit|Dynamic Shared" "$OUT/ncu.txt" | head -40 | tee -a "$LOG"
+fi
+if [[ -n "${PARITY_PID:-}" ]]; then  # (it ran alongside every step above: their timings are provisional)
+  wait $PARITY_PID; step parity-in-parallel; quiet < "$OUT/parity.part" | tee -a "$LOG" | tail -12
+  rm -f "$OUT/parity.part"
 fi
 # what comes back for the next call: compiled kernels and FLA's new autotune results
 tar -czf "$OUT/kcache.tgz" -C .kcache . 2>/dev/null

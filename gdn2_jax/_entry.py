@@ -78,7 +78,7 @@ def call(op: str, args: dict):
     options, serving = {}, {}
     if idx is not None:
         options["state_pool"] = check_state_pool(op, initial_state, idx, acc, N=dims.N, T=dims.T,
-                                                 varlen=dims.varlen)
+                                                 cu_seqlens=cu_seqlens)
         serving = dict(ssm_state_indices=idx, num_accepted_tokens=acc)
         a["inplace_final_state"] = True  # the pool is updated where it lies (XLA copies it unless donated)
     if "inplace_final_state" in a:
@@ -93,16 +93,16 @@ def call(op: str, args: dict):
     p = Problem(op, dims, bool(output_final_state), bool(use_l2), tuple(sorted(options.items())))
     impl = _choose(p, backend, arrays, initial_state)
 
-    def run(q, k, v, g, b, w, h0):
-        return impl(p, q, k, v, g, b, w, h0, cu_seqlens, **serving)
+    def run(q, k, v, g, b, w, h0, poison):
+        return impl(p, q, k, v, g, b, w, h0, cu_seqlens, poison=poison, **serving)
 
     valid = None  # device-side validity of traced arguments (concrete ones were checked above)
     if cu_seqlens is not None and not _is_concrete(cu_seqlens):
         valid = traced_cu_seqlens_valid(cu_seqlens, dims.T)
-    if idx is not None and not (_is_concrete(idx) and (acc is None or _is_concrete(acc))):
-        ok = traced_state_pool_valid(idx, acc, initial_state.shape[0])
+    if idx is not None and not all(x is None or _is_concrete(x) for x in (idx, acc, cu_seqlens)):
+        ok = traced_state_pool_valid(idx, acc, initial_state.shape[0], cu_seqlens)
         valid = ok if valid is None else valid & ok
-    return run_poisoned(valid, run, *arrays, initial_state, pool_slots=idx)
+    return run_poisoned(valid, run, *arrays, initial_state)
 
 
 ARGS_DOC = """

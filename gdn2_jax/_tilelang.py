@@ -182,6 +182,9 @@ def _fold_vmap(core, names: tuple, varlen: bool, out_names: tuple):
         arrs = [x if bt else jnp.broadcast_to(x, (M,) + x.shape) for x, bt in zip(arrays, in_batched)]
         ins = dict(zip(names, arrs))
         folded = {}
+        factor = ins.pop("valid", None)  # per-problem poison factor [M, 1]: applied below, per problem
+        if factor is not None:
+            folded["valid"] = jnp.ones((1,), factor.dtype)
         if not varlen:
             for n, x in ins.items():
                 folded[n] = x.reshape((M * x.shape[1],) + x.shape[2:])
@@ -200,9 +203,12 @@ def _fold_vmap(core, names: tuple, varlen: bool, out_names: tuple):
         res = []
         for n, y in zip(out_names, outs):
             if n == "o" and varlen:
-                res.append(y.reshape((M, 1, y.shape[1] // M) + y.shape[2:]))
+                y = y.reshape((M, 1, y.shape[1] // M) + y.shape[2:])
             else:
-                res.append(y.reshape((M, y.shape[0] // M) + y.shape[1:]))
+                y = y.reshape((M, y.shape[0] // M) + y.shape[1:])
+            if factor is not None:
+                y = y * factor.reshape((M,) + (1,) * (y.ndim - 1)).astype(y.dtype)
+            res.append(y)
         return tuple(res), (True,) * len(res)
 
     return rule
@@ -236,6 +242,7 @@ def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bo
                     compute_dtype=jnp.float32, varlen=varlen)
         o, ht = xla_impl(Problem(p.op, dims, p.output_final_state, p.use_qk_l2norm_in_kernel, p.options), a["q"],
                          a["k"], a["v"], a["g"], a["b"], a["w"], a.get("h0"), a.get("cu_seqlens"),
+                         poison=a["valid"][0] if "valid" in a else None,
                          **{serving[n]: a[n] for n in serving if n in a})
         return (o,) + ((ht,) if p.output_final_state else ())
 
@@ -248,7 +255,7 @@ def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bo
 
     def f_bwd(arrays, cts):
         ints = ("cu_seqlens", "state_indices", "num_accepted_tokens")
-        diff = [i for i, n in enumerate(names) if n not in ints]
+        diff = [i for i, n in enumerate(names) if n not in ints and n != "valid"]
 
         def g(*d):
             full = list(arrays)
@@ -264,18 +271,22 @@ def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bo
         for i, n in enumerate(names):
             if n in ints:
                 out[i] = np.zeros(arrays[i].shape, jax.dtypes.float0)
+            elif n == "valid":  # the poison factor: the inputs' cotangents already carry it
+                out[i] = jnp.zeros_like(arrays[i])
         return tuple(out)
 
     f.defvjp(f_fwd, f_bwd)
     return f
 
 
-def forward(p: Problem, q, k, v, g, b, w, initial_state, cu_seqlens, ssm_state_indices=None,
+def forward(p: Problem, q, k, v, g, b, w, initial_state, cu_seqlens, poison=None, ssm_state_indices=None,
             num_accepted_tokens=None):
     """``backend="tilelang"`` implementation of op ``p.op`` for a validated call. Returns ``(o, ht or None)``.
 
     ``p.options["inplace_final_state"]`` makes the final state an alias of ``initial_state``;
-    ``p.options["state_pool"]`` (with ``ssm_state_indices`` and ``num_accepted_tokens``) selects the pool kernels. The environment
+    ``p.options["state_pool"]`` (with ``ssm_state_indices`` and ``num_accepted_tokens``) selects the pool kernels.
+    ``poison`` (float32 scalar, 1 or NaN) multiplies the outputs: inside the decode kernel (an input ``valid``: no
+    extra pass over the state), after the chunk kernels. The environment
     variable ``GDN2_JAX_CUDA_GRAPH=1`` (read at trace time) registers the targets as CUDA-graph capturable, so that
     XLA may put them into command buffers (experimental).
     """
@@ -302,6 +313,11 @@ def forward(p: Problem, q, k, v, g, b, w, initial_state, cu_seqlens, ssm_state_i
         if num_accepted_tokens is not None:
             names += ("num_accepted_tokens",)
             arrays.append(jnp.asarray(num_accepted_tokens).astype(jnp.int32))
+    in_kernel_poison = poison is not None and p.op == "fused_recurrent_gdn2"
+    if in_kernel_poison:
+        names += ("valid",)
+        arrays.append(jnp.reshape(poison, (1,)).astype(jnp.float32))
+        serving["poison"] = True
     d = p.dims
     cfg = registry.config(H=d.H, HV=d.HV, K=d.K, V=d.V, dtype=np.dtype(q.dtype).name, g_dtype=np.dtype(g.dtype).name,
                           scale=d.scale, use_initial_state=initial_state is not None,
@@ -312,4 +328,8 @@ def forward(p: Problem, q, k, v, g, b, w, initial_state, cu_seqlens, ssm_state_i
                   p.use_qk_l2norm_in_kernel, p.options)  # the static part only: one function serves every B and T
     cuda_graph = os.environ.get("GDN2_JAX_CUDA_GRAPH", "") == "1"
     outs = _make_op(key, names, tuple(sorted(cfg.items())), inplace, cuda_graph)(*arrays)
-    return outs[0], (outs[1] if p.output_final_state else None)
+    o, ht = outs[0], (outs[1] if p.output_final_state else None)
+    if poison is not None and not in_kernel_poison:
+        o = o * poison.astype(o.dtype)
+        ht = None if ht is None else ht * poison.astype(ht.dtype)
+    return o, ht

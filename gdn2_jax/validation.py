@@ -269,7 +269,7 @@ def _nan_gradient_unless_jvp(primals, tangents):
 
 
 def check_state_pool(fn: str, initial_state, ssm_state_indices, num_accepted_tokens, *, N: int, T: int,
-                     varlen: bool) -> str:
+                     cu_seqlens=None) -> str:
     """Check the continuous-batching arguments (FLA's ``ssm_state_indices`` / ``num_accepted_tokens``); return the
     pool mode, ``"slot"`` (indices ``[N]``) or ``"token"`` (``[N, L]``).
 
@@ -293,8 +293,13 @@ def check_state_pool(fn: str, initial_state, ssm_state_indices, num_accepted_tok
     L = idx.shape[1] if mode == "token" else 1
     if mode == "token" and L < 1:
         raise ValueError(f"{fn}: `ssm_state_indices` [N, L] needs L >= 1, got {tuple(idx.shape)}")
-    if mode == "token" and not varlen and L < T:
+    if mode == "token" and cu_seqlens is None and L < T:
         raise ValueError(f"{fn}: `ssm_state_indices` [N, L] needs a slot per token, L >= T={T}, got L={L}")
+    if mode == "token" and cu_seqlens is not None and _is_concrete(cu_seqlens):
+        longest = int(np.max(np.diff(np.asarray(cu_seqlens)), initial=0))
+        if L < longest:
+            raise ValueError(f"{fn}: `ssm_state_indices` [N, L] needs a slot per token, L >= the longest sequence "
+                             f"of `cu_seqlens` ({longest}), got L={L}")
     P = initial_state.shape[0]
     if _is_concrete(idx):
         a = np.asarray(idx)
@@ -325,43 +330,37 @@ def traced_cu_seqlens_valid(cu_seqlens, T: int):
     return (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] == T)
 
 
-def traced_state_pool_valid(ssm_state_indices, num_accepted_tokens, P: int):
+def traced_state_pool_valid(ssm_state_indices, num_accepted_tokens, P: int, cu_seqlens=None):
     """Device-side validity (a bool scalar) of traced pool arguments: slots < P, non-negative slots distinct,
-    ``num_accepted_tokens`` in [1, L]."""
+    ``num_accepted_tokens`` in [1, L], and per-token slots ``[N, L]`` for every token of packed ``cu_seqlens``."""
     idx = ssm_state_indices.reshape(-1).astype(jnp.int32)
     s = jnp.sort(jnp.where(idx < 0, -1 - jnp.arange(idx.size, dtype=jnp.int32), idx))  # padding slots stay distinct
     ok = jnp.all(idx < P) & jnp.all(s[1:] != s[:-1])
     if num_accepted_tokens is not None:
         acc = num_accepted_tokens
         ok = ok & jnp.all((acc >= 1) & (acc <= ssm_state_indices.shape[1]))
+    if cu_seqlens is not None and ssm_state_indices.ndim == 2:
+        cu = jnp.asarray(cu_seqlens)
+        ok = ok & jnp.all(cu[1:] - cu[:-1] <= ssm_state_indices.shape[1])
     return ok
 
 
-def run_poisoned(valid, run, q, k, v, g, b, w, initial_state, *, pool_slots=None):
-    """``run(q, k, v, g, b, w, initial_state) -> (o, final_state)``, NaN where a *traced* argument is invalid.
+def run_poisoned(valid, run, q, k, v, g, b, w, initial_state):
+    """``run(q, k, v, g, b, w, initial_state, poison) -> (o, final_state)``, NaN where a *traced* argument is invalid.
 
-    ``valid`` is None (nothing traced to check: ``run`` as is) or a device bool scalar. Concrete arguments were
-    already checked in Python (a ``ValueError`` before anything runs); traced ones (under ``jit``/``vmap``)
-    cannot be inspected there, so their validity becomes a factor 1 or NaN on the device. ``o`` and
-    ``final_state`` are multiplied by it, and so are the derivatives with respect to the inputs (a ``jnp.where``
-    on the outputs alone would pass zero cotangents back, a silently all-zero gradient; scaling each input's
-    cotangent also reaches tokens that no sequence reads). The inputs themselves are not touched in the forward:
-    no extra pass over them, and the state can still be updated in place. An input the loss does not depend on at
-    all (q, for a loss on the final state alone) keeps its exact, structural zero gradient. For a state pool
-    (``pool_slots``: the slot indices written) only the written rows of the pool are poisoned, in place.
+    ``valid`` is None (nothing traced to check: ``run`` as is, ``poison=None``) or a device bool scalar. Concrete
+    arguments were already checked in Python (a ``ValueError`` before anything runs); traced ones (under
+    ``jit``/``vmap``) cannot be inspected there, so their validity becomes a float32 factor ``poison``, 1 or NaN,
+    on the device. The implementation multiplies ``o`` and every state it writes by it (the decode kernel does so
+    as it stores: no extra pass over the state, which stays in place; a state pool gets NaN only in the slots
+    written), and the derivatives with respect to the inputs are multiplied by it too (a ``jnp.where`` on the
+    outputs alone would pass zero cotangents back, a silently all-zero gradient; scaling each input's cotangent
+    also reaches tokens that no sequence reads). The inputs themselves are not touched in the forward. An input the
+    loss does not depend on at all (q, for a loss on the final state alone) keeps its exact, structural zero
+    gradient.
     """
     if valid is None:
-        return run(q, k, v, g, b, w, initial_state)
-    factor = jnp.where(valid, 1.0, jnp.nan)
-    o, final_state = run(*(None if x is None else _nan_gradient_unless(x, factor)
-                           for x in (q, k, v, g, b, w, initial_state)))
-    o = o * factor.astype(o.dtype)
-    if final_state is not None:
-        if pool_slots is None:
-            final_state = final_state * factor.astype(final_state.dtype)
-        else:
-            # padding slots (< 0) map past the end (dropped): a negative index would wrap to the pool's last rows
-            slots = jnp.where(pool_slots.reshape(-1) < 0, final_state.shape[0], pool_slots.reshape(-1))
-            final_state = final_state.at[slots].multiply(factor.astype(final_state.dtype),
-                                                                          mode="drop")
-    return o, final_state
+        return run(q, k, v, g, b, w, initial_state, None)
+    factor = jnp.where(valid, 1.0, jnp.nan).astype(jnp.float32)
+    return run(*(None if x is None else _nan_gradient_unless(x, factor) for x in (q, k, v, g, b, w, initial_state)),
+               factor)

@@ -33,7 +33,7 @@ def cfg(H, HV, K, V=None, dtype="bfloat16", g_dtype="float32", scale=None, h0=Tr
 
 
 def preset(name: str) -> list[dict]:
-    """Configurations of a preset (``tests`` mirrors tests/test_tilelang_gpu.py, ``bench`` benchmarks/bench.py)."""
+    """Configurations of a preset (``tests`` mirrors the GPU tests, ``bench`` benchmarks/bench.py)."""
     serving = [cfg(h, h, 128, dtype=dt, l2=l2) for h in (16, 32) for dt in ("bfloat16", "float16")
                for l2 in (False, True)]
     bench = [cfg(32, 32, 128), cfg(16, 16, 128), cfg(4, 4, 128)]
@@ -44,8 +44,13 @@ def preset(name: str) -> list[dict]:
     # flax_layers.GatedDeltaNet2 (l2 norm in kernel, fp32 g) as tests/test_flax_fla_parity.py and
     # examples/train_lm.py build it: 2 qk heads, 2 or 4 value heads, head dim 64, with and without a cache
     layers = [cfg(2, hv, 64, l2=True, h0=h0) for hv in (2, 4) for h0 in (False, True)]
-    table = {"serving": serving, "bench": bench, "tests": tests, "layers": layers,
-             "all": serving + bench + tests + layers, "sweep": _sweep()}
+    # state pools (continuous batching / speculative decoding): slot, per-token and per-token with accepted counts
+    pool_modes = (dict(state_pool="slot"), dict(state_pool="token"), dict(state_pool="token", num_accepted=True))
+    pools = [dict(c, inplace_state=True, **m) for c in (cfg(32, 32, 128), cfg(2, 4, 128), cfg(2, 4, 128, l2=True),
+                                                        cfg(2, 4, 64, varlen=True), cfg(1, 2, 64))
+             for m in pool_modes]
+    table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,
+             "all": serving + pools + bench + tests + layers, "sweep": _sweep()}
     if name not in table:
         raise SystemExit(f"unknown preset {name!r}; choose from {sorted(table)}")
     seen, out = set(), []

@@ -41,7 +41,7 @@ def _threads(K: int, BV: int) -> int:
 
 
 def _build(*, H, HV, K, V, BV, dtype, g_dtype, scale, use_h0, store_ht, varlen, l2norm, threads, pool=None,
-           spec=False):
+           spec=False, poison=False):
     import tilelang.language as T
 
     G = HV // H
@@ -67,15 +67,18 @@ def _build(*, H, HV, K, V, BV, dtype, g_dtype, scale, use_h0, store_ht, varlen, 
     SN = P_ if pool else N
 
     @T.macro
-    def store_slot(ht, slot, hv, v0, S):
+    def store_slot(ht, slot, hv, v0, S, valid):
         # slot: int64; a slot outside [0, P) is padding (nothing written)
         for i, j in T.Parallel(K, BV):
             if slot >= 0 and slot < T.cast(P_, "int64"):
-                ht[slot, hv, i, v0 + j] = S[i, j]
+                if poison:
+                    ht[slot, hv, i, v0 + j] = S[i, j] * valid[0]
+                else:
+                    ht[slot, hv, i, v0 + j] = S[i, j]
 
     @T.macro
     def tile(q, k, v, g, b, w, cu, o, n, hv, v0, S, P, red, q_s, k_s, bk_s, gd_s, z_s, nrm, nrm2, sq, sk, idx=None,
-             ht=None):
+             ht=None, valid=None):
         """Walk the tokens of sequence n for the state slice S = state[n, hv, :, v0:v0+BV] (in place); with a
         per-token pool (``pool="token"``) the state after token t goes to slot ``idx[n, t]`` (t < L)."""
         hq = hv // G
@@ -116,13 +119,16 @@ def _build(*, H, HV, K, V, BV, dtype, g_dtype, scale, use_h0, store_ht, varlen, 
                 P[i, j] = S[i, j] * q_s[i]
             T.reduce_sum(P, red, dim=0, batch=rb)
             for j in T.Parallel(BV):
-                o[bb, tt, hv, v0 + j] = T.cast(red[j] * scale, dtype)
+                if poison:  # 1, or NaN for invalid traced arguments (checked by the caller on the device)
+                    o[bb, tt, hv, v0 + j] = T.cast(red[j] * scale * valid[0], dtype)
+                else:
+                    o[bb, tt, hv, v0 + j] = T.cast(red[j] * scale, dtype)
             if pool == "token":
                 if t < T.cast(L, "int64"):
-                    store_slot(ht, T.cast(idx[n, t], "int64"), hv, v0, S)
+                    store_slot(ht, T.cast(idx[n, t], "int64"), hv, v0, S, valid)
 
     @T.macro
-    def body_block(q, k, v, g, b, w, h0, cu, idx, acc_n, o, ht):
+    def body_block(q, k, v, g, b, w, h0, cu, idx, acc_n, valid, o, ht):
         # one block per (sequence, value head, V-block); with a pool, ht is h0 (updated in place)
         with T.Kernel(n_seq * HV, NV, threads=threads) as (bnh, bv):
             n = bnh // HV
@@ -152,12 +158,15 @@ def _build(*, H, HV, K, V, BV, dtype, g_dtype, scale, use_h0, store_ht, varlen, 
             else:
                 T.clear(S)
             tile(q, k, v, g, b, w, cu, o, n, hv, v0, S, P, red, q_s, k_s, bk_s, gd_s, z_s, nrm, nrm2, sq, sk,
-                 idx=idx, ht=ht)
+                 idx=idx, ht=ht, valid=valid)
             if pool == "slot":
-                store_slot(ht, s0, hv, v0, S)
+                store_slot(ht, s0, hv, v0, S, valid)
             elif store_ht and not pool:
                 for i, j in T.Parallel(K, BV):
-                    ht[n, hv, i, v0 + j] = S[i, j]
+                    if poison:
+                        ht[n, hv, i, v0 + j] = S[i, j] * valid[0]
+                    else:
+                        ht[n, hv, i, v0 + j] = S[i, j]
 
     # Build the exact parameter list (only the buffers this variant uses), in the pipeline's arg order.
     sig = {
@@ -166,7 +175,7 @@ def _build(*, H, HV, K, V, BV, dtype, g_dtype, scale, use_h0, store_ht, varlen, 
         "b": T.Tensor((B, Tn, HV, K), dtype), "w": T.Tensor((B, Tn, HV, V), dtype),
         "h0": T.Tensor((SN, HV, K, V), "float32"), "cu_seqlens": T.Tensor((NP1,), "int32"),
         "state_indices": T.Tensor((NI, L) if pool == "token" else (NI,), "int32"),
-        "num_accepted_tokens": T.Tensor((NI,), "int32"),
+        "num_accepted_tokens": T.Tensor((NI,), "int32"), "valid": T.Tensor((1,), "float32"),
         "o": T.Tensor((B, Tn, HV, V), dtype), "ht": T.Tensor((SN, HV, K, V), "float32"),
     }
     return sig, body_block
@@ -178,17 +187,18 @@ def _prim(**kw):
     import tilelang.language as T
 
     sig, body = _build(**kw)
-    q, k, v, g, b, w, h0, cu, idx, acc_n, o, ht = (sig[x] for x in (
-        "q", "k", "v", "g", "b", "w", "h0", "cu_seqlens", "state_indices", "num_accepted_tokens", "o", "ht"))
+    q, k, v, g, b, w, h0, cu, idx, acc_n, valid, o, ht = (sig[x] for x in (
+        "q", "k", "v", "g", "b", "w", "h0", "cu_seqlens", "state_indices", "num_accepted_tokens", "valid", "o", "ht"))
 
     @T.prim_func
     def main(q_: q, k_: k, v_: v, g_: g, b_: b, w_: w, h0_: h0, cu_seqlens_: cu, state_indices_: idx,
-             num_accepted_tokens_: acc_n, o_: o, ht_: ht):
-        body(q_, k_, v_, g_, b_, w_, h0_, cu_seqlens_, state_indices_, num_accepted_tokens_, o_, ht_)
+             num_accepted_tokens_: acc_n, valid_: valid, o_: o, ht_: ht):
+        body(q_, k_, v_, g_, b_, w_, h0_, cu_seqlens_, state_indices_, num_accepted_tokens_, valid_, o_, ht_)
 
     keep = ["q_", "k_", "v_", "g_", "b_", "w_"] + (["h0_"] if kw["use_h0"] else []) + (
         ["cu_seqlens_"] if kw["varlen"] else []) + (["state_indices_"] if kw.get("pool") else []) + (
-        ["num_accepted_tokens_"] if kw.get("spec") else []) + ["o_"] + (["ht_"] if kw["store_ht"] else [])
+        ["num_accepted_tokens_"] if kw.get("spec") else []) + (["valid_"] if kw.get("poison") else []) + ["o_"] + (
+        ["ht_"] if kw["store_ht"] else [])
     return drop_params(main, keep)
 
 
@@ -206,7 +216,7 @@ def fused_recurrent_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str,
                                  use_initial_state: bool, output_final_state: bool, varlen: bool,
                                  use_qk_l2norm: bool, inplace_state: bool = False, block_v: int | None = None,
                                  threads: int | None = None, state_pool: str | None = None,
-                                 num_accepted: bool = False) -> Pipeline:
+                                 num_accepted: bool = False, poison: bool = False) -> Pipeline:
     """Pipeline of the fused recurrent forward: one launch.
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]``, ``g,b [B,T,HV,K]`` (+ ``h0 [N,HV,K,V]`` fp32 when
@@ -222,6 +232,9 @@ def fused_recurrent_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str,
     the sequence starts from slot ``state_indices[n,0]``, or with ``num_accepted`` (input ``num_accepted_tokens``
     ``[N]`` int32, FLA's speculative-decoding semantics) from slot ``state_indices[n, num_accepted_tokens[n]-1]``
     (clamped to [1, L]). A slot outside ``[0, P)`` is padding: the sequence starts from zero and writes nothing.
+
+    ``poison`` adds the input ``valid`` ``[1]`` fp32 (1, or NaN when the caller found traced arguments invalid),
+    which multiplies every output and stored state: NaN where the answer would be wrong, with no extra pass.
     """
     fn = "fused_recurrent_fwd_pipeline"
     registry.get("fused_recurrent_gdn2").support.check(fn, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype,
@@ -241,13 +254,15 @@ def fused_recurrent_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str,
     threads = _threads(K, BV) if threads is None else int(threads)
     inputs = ("q", "k", "v", "g", "b", "w") + (("h0",) if use_initial_state else ()) + (
         ("cu_seqlens",) if varlen else ()) + (("state_indices",) if state_pool else ()) + (
-        ("num_accepted_tokens",) if num_accepted else ())
+        ("num_accepted_tokens",) if num_accepted else ()) + (("valid",) if poison else ())
     outputs = (Buf("o", ("B", "T", HV, V), dtype),) + (
         (Buf("ht", ("P" if state_pool else "N", HV, K, V), "float32"),) if output_final_state else ())
     kw = dict(H=H, HV=HV, K=K, V=V, BV=BV, dtype=dtype, g_dtype=g_dtype, scale=scale, use_h0=use_initial_state,
               store_ht=output_final_state, varlen=varlen, l2norm=use_qk_l2norm, threads=threads)
     if state_pool:
         kw.update(pool=state_pool, spec=bool(num_accepted))
+    if poison:
+        kw.update(poison=True)
     launch = Launch(
         name="gdn2_recurrent_fwd",
         key=("gdn2_recurrent_fwd", 1) + tuple(sorted(kw.items())),

@@ -144,12 +144,13 @@ def _naive_core(scale, q, k, v, g, b, w, h0, seq, reset):
 # --------------------------------------------------------------------------------------------------
 # Token-major entry points (the implementations behind the public ops)
 # --------------------------------------------------------------------------------------------------
-def _chunked(core, p, q, k, v, g, b, w, initial_state, cu_seqlens, C: int):
-    """L2 norm + GVA repeat (plain autodiff), layout to chunks, ``core``, layout back."""
+def _chunked(core, p, q, k, v, g, b, w, initial_state, cu_seqlens, C: int, poison=None):
+    """L2 norm + GVA repeat (plain autodiff), layout to chunks, ``core``, layout back; outputs times ``poison``."""
     dims = p.dims
     cdt = dims.compute_dtype
     out_dtype = jax.dtypes.canonicalize_dtype(q.dtype)  # numpy float64 without x64 -> float32
-    q, k = prepare_qk(q, k, dims.group, p.use_qk_l2norm_in_kernel)
+    # normalise in the compute dtype: no rounding of the normalised q / k back to a 16-bit input dtype
+    q, k = prepare_qk(jnp.asarray(q).astype(cdt), jnp.asarray(k).astype(cdt), dims.group, p.use_qk_l2norm_in_kernel)
     h0 = (jnp.zeros((dims.N, dims.HV, dims.K, dims.V), cdt) if initial_state is None
           else jnp.asarray(initial_state).astype(cdt))
     xs = [jnp.asarray(x).astype(cdt) for x in (q, k, v, g, b, w)]
@@ -167,20 +168,23 @@ def _chunked(core, p, q, k, v, g, b, w, initial_state, cu_seqlens, C: int):
         o, S_end = core(dims.scale, *xs, h0, plan.seq[:, None], plan.reset[:, None])
         o = layout.varlen_from_chunks(o, plan)
         final = jnp.where(plan.has[:, None, None, None], S_end[plan.last, 0], h0)
+    if poison is not None:
+        o, final = o * poison.astype(o.dtype), final * poison.astype(final.dtype)
     return o.astype(out_dtype), (final if p.output_final_state else None)
 
 
-def chunk_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens):
+def chunk_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens, poison=None):
     """xla backend of ``chunk_gdn2`` for a validated call ``p`` (``gdn2_jax.validation.Problem``): the chunk scan
-    (C = 64) with the hand-written §7.2 VJP. Returns ``(o [B, T, HV, V] in q's dtype, final state or None)``."""
-    return _chunked(_chunk_core, p, q, k, v, g, b, w, initial_state, cu_seqlens, CHUNK_SIZE)
+    (C = 64) with the hand-written §7.2 VJP. Returns ``(o [B, T, HV, V] in q's dtype, final state or None)``,
+    multiplied by ``poison`` (a float32 scalar 1 / NaN, ``validation.run_poisoned``) when given."""
+    return _chunked(_chunk_core, p, q, k, v, g, b, w, initial_state, cu_seqlens, CHUNK_SIZE, poison)
 
 
-def naive_chunk_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens):
+def naive_chunk_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens, poison=None):
     """``naive_chunk_gdn2`` for a validated call: the same chunk forward differentiated by plain autodiff, with
     ``chunk_size`` from ``p.options`` (clamped to T: a longer chunk is only zero padding)."""
     C = min(int(dict(p.options)["chunk_size"]), max(p.dims.T, 1))
-    return _chunked(_naive_core, p, q, k, v, g, b, w, initial_state, cu_seqlens, C)
+    return _chunked(_naive_core, p, q, k, v, g, b, w, initial_state, cu_seqlens, C, poison)
 
 
 def intra_stage(q, k, v, g, b, w, *, scale: float, use_qk_l2norm_in_kernel: bool = False):

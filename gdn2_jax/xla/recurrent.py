@@ -68,7 +68,7 @@ def _pool_slot(idx, P):
     return jnp.where((idx >= 0) & (idx < P), idx, P)
 
 
-def recurrent_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens, ssm_state_indices=None,
+def recurrent_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens, poison=None, ssm_state_indices=None,
                       num_accepted_tokens=None):
     """Token loop for a validated call ``p`` (``gdn2_jax.validation.Problem``). Returns ``(o in q's dtype,
     final state [N, HV, K, V] in the compute dtype, or None)``.
@@ -77,18 +77,21 @@ def recurrent_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens, ssm_state_
     ``initial_state`` is a pool ``[P, HV, K, V]`` and the returned state is the updated pool: sequence n starts
     from slot ``idx[n]`` (``idx[n, num_accepted_tokens[n] - 1]``, or ``idx[n, 0]``, per token) and writes its final
     state to ``idx[n]`` (per token: the state after its token t to ``idx[n, t]``); padding slots (< 0) start from
-    zero and are not written.
+    zero and are not written. ``poison`` (a float32 scalar 1 / NaN, ``validation.run_poisoned``) multiplies o and
+    every state written.
     """
+    f = (lambda x: x) if poison is None else (lambda x: x * poison.astype(x.dtype))  # noqa: E731
     dims = p.dims
     cdt = dims.compute_dtype
     out_dtype = jax.dtypes.canonicalize_dtype(q.dtype)  # numpy float64 without x64 -> float32, no warning
-    q, k = prepare_qk(q, k, dims.group, p.use_qk_l2norm_in_kernel)
+    # normalise in the compute dtype: no rounding of the normalised q / k back to a 16-bit input dtype
+    q, k = prepare_qk(jnp.asarray(q).astype(cdt), jnp.asarray(k).astype(cdt), dims.group, p.use_qk_l2norm_in_kernel)
     xs = tuple(jnp.asarray(x).astype(cdt) for x in (q, k, v, g, b, w))
     if ssm_state_indices is None:
         h0 = (jnp.zeros((dims.N, dims.HV, dims.K, dims.V), cdt) if initial_state is None
               else jnp.asarray(initial_state).astype(cdt))  # numpy h0 must be indexable by traced ids
         o, final = _recurrent(*xs, dims.scale, h0, cu_seqlens, dims.T)
-        return o.astype(out_dtype), (final if p.output_final_state else None)
+        return f(o).astype(out_dtype), (f(final) if p.output_final_state else None)
 
     pool = jnp.asarray(initial_state).astype(cdt)
     P = pool.shape[0]
@@ -105,12 +108,12 @@ def recurrent_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens, ssm_state_
     h0 = jnp.where(inb[:, None, None, None], pool[jnp.clip(s0, 0, P - 1)], jnp.zeros((), cdt))
     o, final, *states = _recurrent(*xs, dims.scale, h0, cu_seqlens, dims.T, states=per_token)
     if not per_token:
-        pool = pool.at[_pool_slot(idx, P)].set(final, mode="drop")
+        pool = pool.at[_pool_slot(idx, P)].set(f(final), mode="drop")
     elif cu_seqlens is None:  # states [T, N, ...]: token t of sequence n -> slot idx[n, t]
-        pool = pool.at[_pool_slot(idx[:, :dims.T].T, P)].set(states[0], mode="drop")
+        pool = pool.at[_pool_slot(idx[:, :dims.T].T, P)].set(f(states[0]), mode="drop")
     else:  # packed: token t is token pos of sequence seq; no slot beyond column L
         seq, _ = sequence_ids(cu_seqlens, dims.T)
         pos = jnp.arange(dims.T, dtype=jnp.int32) - jnp.asarray(cu_seqlens, jnp.int32)[seq]
         slot = jnp.where(pos < L, idx[seq, jnp.minimum(pos, L - 1)], -1)
-        pool = pool.at[_pool_slot(slot, P)].set(states[0], mode="drop")
-    return o.astype(out_dtype), (pool if p.output_final_state else None)
+        pool = pool.at[_pool_slot(slot, P)].set(f(states[0]), mode="drop")
+    return f(o).astype(out_dtype), (pool if p.output_final_state else None)

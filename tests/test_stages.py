@@ -1,0 +1,399 @@
+"""Stage-by-stage tests of the chunk form (``gdn2_jax.xla``: cumsum, chunk_intra, wy_fast, chunk_delta_h, chunk_o).
+
+* CPU, float64: every stage's hand-written backward equals ``jax.vjp`` of its forward, at random primal points
+  taken from a real chunk (g down to -60 mixed inside the chunk, b in [0, 2]) and random cotangents; the
+  composed one-chunk VJP (``chunk.chunk_bwd_one``) equals autodiff of ``chunk.chunk_fwd_one``; and the composed
+  forward equals an independent fp64 token loop (numpy, written here) on one chunk.
+* GPU (``cuda``): the intra-chunk launch of ``kernels/chunk_fwd.py`` against its xla twin ``xla.intra_stage``
+  (scratch buffers Aqk, Y, U, QG, KG, GAM), and the state/output launch fed with the twin's scratch against
+  ``state_fwd`` + ``o_fwd``.
+
+Metric: RMS(x - ref) / RMS(ref) (``_oracle.rms_ratio``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _oracle import rms_ratio
+
+from gdn2_jax.xla.chunk import chunk_bwd_one, chunk_fwd_one
+from gdn2_jax.xla.chunk_delta_h import state_bwd, state_fwd
+from gdn2_jax.xla.chunk_intra import intra_bwd, intra_fwd, solve_bwd, solve_fwd
+from gdn2_jax.xla.chunk_o import o_bwd, o_fwd
+from gdn2_jax.xla.common import masks
+from gdn2_jax.xla.cumsum import Gates, chunk_gates, chunk_local_cumsum_bwd
+from gdn2_jax.xla.wy_fast import WY, wy_bwd, wy_fwd
+
+TOL = 1e-10
+BATCH = (2, 3)  # (sequences, value heads): the leading "..." dims of every stage
+K, V = 16, 8
+SCALE = K ** -0.5
+# per-channel decay levels mixed inside every chunk ("swept"), and a mild decay where every factor stays > 1e-5
+G_LEVELS = np.array([0.0, -1e-3, -0.1, -1.0, -6.0, -20.0, -60.0])
+G_PROBS = np.array([0.1, 0.2, 0.3, 0.2, 0.1, 0.05, 0.05])
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def chunk_inputs(seed, C=64, gdist="swept"):
+    """One chunk of fp64 numpy inputs ``[*BATCH, C, D]``: q, k unit-norm; v = 0.5 N(0,1); b ~ U(0, 2);
+    w ~ U(0, 1); S0 ~ N(0, 1); g per channel from G_LEVELS (swept, -60 included) or U(-0.3, 0) (mild)."""
+    rng = np.random.default_rng(seed)
+    sh = BATCH + (C,)
+    q = rng.standard_normal(sh + (K,))
+    k = rng.standard_normal(sh + (K,))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    if gdist == "swept":
+        g = G_LEVELS[rng.choice(len(G_LEVELS), size=sh + (K,), p=G_PROBS)] * rng.uniform(0.5, 1.0, sh + (K,))
+        assert (g < -50).any() and (g == 0).any()
+    else:
+        g = -rng.uniform(0.0, 0.3, sh + (K,))
+    return dict(q=q, k=k, v=0.5 * rng.standard_normal(sh + (V,)), g=g, b=rng.uniform(0.0, 2.0, sh + (K,)),
+                w=rng.uniform(0.0, 1.0, sh + (V,)), S0=rng.standard_normal(BATCH + (K, V)))
+
+
+def cotangent(rng, like, mask=None):
+    ct = rng.standard_normal(np.shape(like))
+    return ct if mask is None else ct * np.asarray(mask, np.float64)
+
+
+def gates_from_G(G):
+    """Every decay factor of a chunk as a function of the cumulative decay G (the variable the intra and WY
+    backwards differentiate by). The pairwise exponent is masked before ``exp`` (never exp of a positive)."""
+    C = G.shape[-2]
+    incl = masks(C)[0][:, :, None]
+    D = G[..., :, None, :] - G[..., None, :, :]
+    Gam = jnp.exp(jnp.where(incl, D, 0.0)) * incl.astype(G.dtype)
+    return Gates(G=G, gam=jnp.exp(G), gamC=jnp.exp(G[..., -1, :]), tail=jnp.exp(G[..., -1:, :] - G), Gam=Gam)
+
+
+def close(x, ref, tol=TOL, what=""):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    assert x.shape == ref.shape, (what, x.shape, ref.shape)
+    assert np.all(np.isfinite(x)), f"{what}: non-finite values"
+    assert np.any(ref != 0), f"{what}: the reference is identically zero (the check would be vacuous)"
+    r = rms_ratio(x, ref)
+    assert r <= tol, (what, r)
+
+
+def token_loop(q, k, v, g, b, w, S0, scale):
+    """Independent fp64 token loop over the C rows of one chunk (``[..., C, D]``). Returns (o, S_end)."""
+    S = np.array(S0, np.float64)
+    o = np.zeros(q.shape[:-1] + (v.shape[-1],))
+    for t in range(q.shape[-2]):
+        S = np.exp(g[..., t, :])[..., :, None] * S
+        u = w[..., t, :] * v[..., t, :] - np.einsum("...k,...kv->...v", b[..., t, :] * k[..., t, :], S)
+        S = S + k[..., t, :, None] * u[..., None, :]
+        o[..., t, :] = scale * np.einsum("...k,...kv->...v", q[..., t, :], S)
+    return o, S
+
+
+# ------------------------------------------------------------------------------------------- cumsum
+@pytest.mark.parametrize("gdist", ["swept", "mild"])
+def test_cumsum_forward_factors_and_reverse_cumsum_is_vjp(x64, gdist):
+    x = chunk_inputs(1, gdist=gdist)
+    g = jnp.asarray(x["g"])
+    gates = chunk_gates(g)
+    # forward: each factor from an independent numpy construction
+    G = np.cumsum(x["g"], axis=-2)
+    C = G.shape[-2]
+    incl = np.tril(np.ones((C, C), bool))[:, :, None]
+    D = np.where(incl, G[..., :, None, :] - G[..., None, :, :], -np.inf)
+    close(gates.G, G, 1e-13, "G")
+    close(gates.gam, np.exp(G), 1e-13, "gam")
+    close(gates.gamC, np.exp(G[..., -1, :]), 1e-13, "gamC")
+    close(gates.tail, np.exp(G[..., -1:, :] - G), 1e-12, "tail")
+    close(gates.Gam, np.exp(D), 1e-12, "Gam")
+    assert np.all(np.asarray(gates.Gam)[..., ~np.tril(np.ones((C, C), bool)), :] == 0)  # exactly 0 above
+    assert np.all(np.isfinite(np.asarray(gates.Gam)))
+
+    rng = np.random.default_rng(2)
+    dG = cotangent(rng, G)
+    _, vjp = jax.vjp(lambda g: chunk_gates(g).G, g)
+    close(chunk_local_cumsum_bwd(jnp.asarray(dG)), vjp(jnp.asarray(dG))[0], what="dg")
+    # reverse cumsum by hand: dg_t = sum_{r >= t} dG_r
+    close(chunk_local_cumsum_bwd(jnp.asarray(dG)), np.flip(np.cumsum(np.flip(dG, -2), -2), -2), 1e-13, "dg np")
+
+    # every factor, differentiated through the segment sums of chunk_gates, is the function of G that the
+    # later stages' backwards assume (gates_from_G), chained through the reverse cumsum
+    cts = Gates(*(jnp.asarray(cotangent(rng, f)) for f in gates))
+    _, vjp_g = jax.vjp(chunk_gates, g)
+    _, vjp_G = jax.vjp(gates_from_G, jnp.asarray(G))
+    close(vjp_g(cts)[0], chunk_local_cumsum_bwd(vjp_G(cts)[0]), what="dg via every factor")
+
+
+# -------------------------------------------------------------------------------------- chunk_intra
+@pytest.mark.parametrize("gdist", ["swept", "mild"])
+def test_intra_bwd_is_vjp_of_intra_fwd(x64, gdist):
+    x = chunk_inputs(3, gdist=gdist)
+    q, k, b = (jnp.asarray(x[n]) for n in "qkb")
+    G = jnp.cumsum(jnp.asarray(x["g"]), axis=-2)
+    C = G.shape[-2]
+    incl, strict = masks(C)
+    rng = np.random.default_rng(4)
+    dAqk = jnp.asarray(cotangent(rng, np.zeros(BATCH + (C, C)), incl))
+    dT = jnp.asarray(cotangent(rng, np.zeros(BATCH + (C, C)), strict))
+
+    def f(q, k, b, G):
+        return intra_fwd(q, k, b, gates_from_G(G), SCALE)
+
+    (Aqk, T), vjp = jax.vjp(f, q, k, b, G)
+    # forward: lower (with diagonal) / strictly lower, and the diagonal of Aqk is scale * q_r . k_r
+    assert np.all(np.asarray(Aqk)[..., ~np.asarray(incl)] == 0) and np.all(np.asarray(T)[..., ~np.asarray(strict)] == 0)
+    close(np.diagonal(np.asarray(Aqk), axis1=-2, axis2=-1), SCALE * np.sum(x["q"] * x["k"], -1), 1e-13, "diag Aqk")
+    ref = vjp((dAqk, dT))
+    got = intra_bwd(q, k, b, gates_from_G(G), dAqk, dT, SCALE)
+    for name, a, r in zip(("dq", "dk", "db", "dG"), got, ref):
+        close(a, r, what=name)
+
+
+@pytest.mark.parametrize("C", [64, 24])
+def test_solve_bwd_is_vjp_of_solve_fwd(x64, C):
+    x = chunk_inputs(5, C=C)
+    gates = chunk_gates(jnp.asarray(x["g"]))
+    _, T = intra_fwd(jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["b"]), gates, SCALE)
+    A, vjp = jax.vjp(solve_fwd, T)
+    eye = np.eye(C)
+    close(np.asarray(A) @ (eye + np.asarray(T)), np.broadcast_to(eye, A.shape), 1e-12, "A (I + T) = I")
+    close(A, np.linalg.inv(eye + np.asarray(T)), 1e-12, "A vs numpy inverse")
+    rng = np.random.default_rng(6)
+    dA = jnp.asarray(cotangent(rng, A))  # a full cotangent: the upper part must not leak into dT
+    dT = solve_bwd(A, dA)
+    close(dT, vjp(dA)[0], what="dT")
+    assert np.all(np.asarray(dT)[..., ~np.tril(np.ones((C, C), bool), -1)] == 0)
+
+
+# ------------------------------------------------------------------------------------------ wy_fast
+@pytest.mark.parametrize("gdist", ["swept", "mild"])
+def test_wy_bwd_is_vjp_of_wy_fwd(x64, gdist):
+    x = chunk_inputs(7, gdist=gdist)
+    q, k, v, b, w = (jnp.asarray(x[n]) for n in "qkvbw")
+    G = jnp.cumsum(jnp.asarray(x["g"]), axis=-2)
+    _, T = intra_fwd(q, k, b, gates_from_G(G), SCALE)
+    A = solve_fwd(T)
+
+    def f(A, q, k, v, b, w, G):
+        wy = wy_fwd(A, q, k, v, b, w, gates_from_G(G), SCALE)
+        return wy.Y, wy.U, wy.QG, wy.KG
+
+    (Y, U, QG, KG), vjp = jax.vjp(f, A, q, k, v, b, w, G)
+    gates = gates_from_G(G)
+    close(QG, SCALE * np.exp(np.asarray(G)) * x["q"], 1e-13, "QG")
+    close(KG, np.exp(np.asarray(G)[..., -1:, :] - np.asarray(G)) * x["k"], 1e-13, "KG")
+    close(Y, np.asarray(A) @ (np.exp(np.asarray(G)) * x["b"] * x["k"]), 1e-13, "Y")
+    close(U, np.asarray(A) @ (x["w"] * x["v"]), 1e-13, "U")
+    rng = np.random.default_rng(8)
+    cts = [jnp.asarray(cotangent(rng, a)) for a in (Y, U, QG, KG)]
+    ref = vjp(tuple(cts))  # (dA, dq, dk, dv, db, dw, dG)
+    wy = wy_fwd(A, q, k, v, b, w, gates, SCALE)
+    assert isinstance(wy, WY)
+    dq, dk, dv, db, dw, dG, dA = wy_bwd(A, k, v, b, w, gates, wy, *cts, SCALE)
+    for name, a, r in zip(("dA", "dq", "dk", "dv", "db", "dw", "dG"), (dA, dq, dk, dv, db, dw, dG), ref):
+        close(a, r, what=name)
+
+
+# ------------------------------------------------------------------------------------ chunk_delta_h
+def _stage_point(seed, gdist="swept"):
+    """Y, U, KG, QG, Aqk, G_C, S0 of a real chunk (the primal point of the state and output stages)."""
+    x = chunk_inputs(seed, gdist=gdist)
+    a = {n: jnp.asarray(x[n]) for n in x}
+    gates = chunk_gates(a["g"])
+    Aqk, T = intra_fwd(a["q"], a["k"], a["b"], gates, SCALE)
+    wy = wy_fwd(solve_fwd(T), a["q"], a["k"], a["v"], a["b"], a["w"], gates, SCALE)
+    return dict(Y=wy.Y, U=wy.U, KG=wy.KG, QG=wy.QG, Aqk=Aqk, GC=gates.G[..., -1, :], S0=a["S0"])
+
+
+@pytest.mark.parametrize("gdist", ["swept", "mild"])
+def test_state_bwd_is_vjp_of_state_fwd(x64, gdist):
+    p = _stage_point(9, gdist)
+
+    def f(Y, U, KG, GC, S0):
+        return state_fwd(Y, U, KG, jnp.exp(GC), S0)
+
+    (R, S_next), vjp = jax.vjp(f, p["Y"], p["U"], p["KG"], p["GC"], p["S0"])
+    Yn, Un, KGn, S0n = (np.asarray(p[n]) for n in ("Y", "U", "KG", "S0"))
+    close(R, Un - Yn @ S0n, 1e-13, "R")
+    close(S_next, np.exp(np.asarray(p["GC"]))[..., :, None] * S0n + np.swapaxes(KGn, -1, -2) @ np.asarray(R),
+          1e-13, "S_next")
+    rng = np.random.default_rng(10)
+    dR_o, dS_end, dS0_o = (jnp.asarray(cotangent(rng, a)) for a in (R, S_next, S_next))
+    dY_r, dU_r, dKG_r, dGC_r, dS0_r = vjp((dR_o, dS_end))
+    dS0, dY, dU, dKG, dG_C = state_bwd(p["Y"], p["KG"], jnp.exp(p["GC"]), p["S0"], R, dR_o, dS0_o, dS_end)
+    close(dS0, dS0_r + dS0_o, what="dS0 (+ the output's share dS0_o)")
+    for name, a, r in (("dY", dY, dY_r), ("dU", dU, dU_r), ("dKG", dKG, dKG_r), ("dG_C", dG_C, dGC_r)):
+        close(a, r, what=name)
+
+
+# ------------------------------------------------------------------------------------------ chunk_o
+def test_o_bwd_is_vjp_of_o_fwd(x64):
+    p = _stage_point(11)
+    R, _ = state_fwd(p["Y"], p["U"], p["KG"], jnp.exp(p["GC"]), p["S0"])
+    C = R.shape[-2]
+    incl = masks(C)[0].astype(R.dtype)
+
+    def f(QG, S0, Aqk, R):  # Aqk can only hold its lower triangle with diagonal
+        return o_fwd(QG, S0, Aqk * incl, R)
+
+    O, vjp = jax.vjp(f, p["QG"], p["S0"], p["Aqk"], R)
+    close(O, np.asarray(p["QG"]) @ np.asarray(p["S0"]) + np.asarray(p["Aqk"]) @ np.asarray(R), 1e-13, "O")
+    dO = jnp.asarray(cotangent(np.random.default_rng(12), O))
+    got = o_bwd(p["QG"], p["S0"], p["Aqk"], R, dO)
+    for name, a, r in zip(("dQG", "dS0_o", "dAqk", "dR_o"), got, vjp(dO)):
+        close(a, r, what=name)
+    assert np.all(np.asarray(got[2])[..., ~np.tril(np.ones((C, C), bool))] == 0)
+
+
+# ------------------------------------------------------------------------------------ composed chunk
+@pytest.mark.parametrize("gdist,C", [("swept", 64), ("mild", 64), ("swept", 40)])
+def test_chunk_bwd_one_is_vjp_of_chunk_fwd_one(x64, gdist, C):
+    x = chunk_inputs(13, C=C, gdist=gdist)
+    args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "b", "w", "S0")]
+    (O, S_next), vjp = jax.vjp(lambda *a: chunk_fwd_one(*a, SCALE), *args)
+    rng = np.random.default_rng(14)
+    dO, dS_end = jnp.asarray(cotangent(rng, O)), jnp.asarray(cotangent(rng, S_next))
+    ref = vjp((dO, dS_end))
+    (dq, dk, dv, dg, db, dw), dS0 = chunk_bwd_one(*args, dO, dS_end, SCALE)
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "db", "dw", "dS0"), (dq, dk, dv, dg, db, dw, dS0), ref):
+        close(a, r, what=name)
+
+
+@pytest.mark.parametrize("gdist,C", [("swept", 64), ("mild", 64), ("mild", 17)])
+def test_chunk_fwd_one_equals_token_loop(x64, gdist, C):
+    x = chunk_inputs(15, C=C, gdist=gdist)
+    O, S_next = chunk_fwd_one(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "b", "w", "S0")), SCALE)
+    o_ref, S_ref = token_loop(*(x[n] for n in ("q", "k", "v", "g", "b", "w", "S0")), SCALE)
+    assert O.dtype == jnp.float64
+    close(O, o_ref, what="O")
+    close(S_next, S_ref, what="S_next")
+    O2, S2 = chunk_fwd_one(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "b", "w", "S0")), SCALE,
+                           with_output=False)
+    assert O2 is None
+    np.testing.assert_array_equal(np.asarray(S2), np.asarray(S_next))
+
+
+# ============================================================================================ GPU
+def _bf16(a):
+    import ml_dtypes
+
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+
+
+def _gpu_inputs(seed, B, T, H, HV, K_, V_, l2):
+    """bf16 q, k, v, b, w and fp32 g (numpy), swept magnitudes: g per channel down to -60, b in [0, 2]."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, H, K_))
+    k = rng.standard_normal((B, T, H, K_))
+    if l2:  # unnormalised: the kernel normalises
+        q *= rng.uniform(0.5, 3.0, (B, T, H, 1))
+        k *= rng.uniform(0.5, 3.0, (B, T, H, 1))
+    else:
+        q /= np.linalg.norm(q, axis=-1, keepdims=True)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = G_LEVELS[rng.choice(len(G_LEVELS), size=(B, T, HV, K_), p=G_PROBS)] * rng.uniform(0.5, 1.0, (B, T, HV, K_))
+    g[..., :2] = 0.0
+    return dict(q=_bf16(q), k=_bf16(k), v=_bf16(0.5 * rng.standard_normal((B, T, HV, V_))),
+                g=g.astype(np.float32), b=_bf16(rng.uniform(0.0, 2.0, (B, T, HV, K_))),
+                w=_bf16(rng.uniform(0.0, 1.0, (B, T, HV, V_))),
+                h0=rng.standard_normal((B, HV, K_, V_)).astype(np.float32))
+
+
+def _torch(a):
+    import torch
+
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(np.asarray(a, np.float32)).to("cuda", torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a)).to("cuda")
+
+
+def _np(t):
+    import torch
+
+    return t.float().cpu().numpy() if t.dtype == torch.bfloat16 else t.cpu().numpy()
+
+
+def _gpu_rms(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(x)), "non-finite values (unwritten / NaN-poisoned elements?)"
+    return rms_ratio(x, ref)
+
+
+GPU_CASES = [  # B, T, H, HV, K, V, l2norm  (T not a multiple of 64; GVA HV = 2H)
+    (2, 100, 2, 4, 64, 64, False),
+    (1, 150, 1, 2, 128, 128, True),
+    (2, 37, 2, 4, 128, 64, True),
+    (1, 130, 2, 4, 64, 128, False),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,T,H,HV,K_,V_,l2", GPU_CASES)
+def test_gpu_intra_launch_and_state_launch_vs_xla_twins(B, T, H, HV, K_, V_, l2):
+    import torch
+
+    from gdn2_jax import xla
+    from gdn2_jax.xla import layout
+    from kernels import _compile, registry, torch_api
+
+    x = _gpu_inputs(100 + T + K_, B, T, H, HV, K_, V_, l2)
+    scale = K_ ** -0.5
+    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=scale,
+                          use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=l2)
+    pipe = registry.get("chunk_gdn2").pipeline(**cfg)
+    assert [la.name for la in pipe.launches] == ["gdn2_chunk_intra", "gdn2_chunk_state_o"]
+    t = {n: _torch(a) for n, a in x.items()}
+    res = torch_api.run_pipeline(pipe, t, return_scratch=True)
+    torch.cuda.synchronize()
+
+    # ---- launch 1 vs xla.intra_stage (float32 math, on the CPU, on the same bf16 inputs). The scratch is
+    # token-major [B, T, ...]: rows past T in the last chunk do not exist in either ----
+    with jax.default_device(jax.devices("cpu")[0]):
+        twin = {n: np.asarray(a) for n, a in xla.intra_stage(
+            *(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "b", "w")), scale=scale,
+            use_qk_l2norm_in_kernel=l2).items()}
+    assert twin["Aqk"].dtype == np.float32
+    NT = -(-T // 64)
+    assert twin["GAM"].shape == (B, NT, HV, K_) and twin["Aqk"].shape == (B, T, HV, 64)
+    for name in ("Aqk", "Y", "U", "QG", "KG"):
+        got = _np(res[name])
+        assert got.shape == twin[name].shape, name
+        r = _gpu_rms(got, twin[name])
+        assert r <= 1e-2, (name, r)
+    # Aqk holds the lower triangle of each chunk only (row r of a chunk: columns s <= r)
+    r_in = np.arange(T) % 64
+    upper = np.arange(64)[None, :] > r_in[:, None]  # [T, 64]
+    assert np.all(_np(res["Aqk"]).transpose(0, 2, 1, 3)[:, :, upper] == 0)
+    gam = _np(res["GAM"])
+    assert gam.shape == twin["GAM"].shape
+    assert _gpu_rms(gam, twin["GAM"]) <= 1e-5, _gpu_rms(gam, twin["GAM"])
+
+    # ---- launch 2 alone, fed the twin's scratch (bf16, GAM fp32) vs state_fwd + o_fwd on those values ----
+    feed = {n: _bf16(twin[n]) for n in ("Aqk", "Y", "U", "QG", "KG")}
+    feed["GAM"] = twin["GAM"].astype(np.float32)
+    la = pipe.launches[1]
+    bufs = {n: _torch(a) for n, a in feed.items()}
+    bufs["h0"] = t["h0"]
+    shapes = pipe.buffer_shapes({n: tuple(a.shape) for n, a in t.items()})
+    for b_ in pipe.outputs:  # NaN-poisoned outputs: an unwritten element fails
+        bufs[b_.name] = torch.full(shapes[b_.name], float("nan"), dtype=getattr(torch, b_.dtype), device="cuda")
+    arch = _compile.device_arch(0)
+    _compile.get_function(la, arch)(*[bufs[a] for a in la.args])
+    torch.cuda.synchronize()
+
+    with jax.default_device(jax.devices("cpu")[0]), jax.enable_x64(True):
+        f64 = {n: jnp.asarray(np.asarray(a, np.float64)) for n, a in feed.items()}
+        ch = {n: layout.dense_to_chunks(f64[n], 64) for n in ("Y", "U", "QG", "KG")}
+        Aqk = layout.dense_to_chunks(f64["Aqk"], 64)  # [NC, B, HV, C, 64]
+        gamC = jnp.moveaxis(f64["GAM"], 1, 0)  # [NC, B, HV, K]
+        S = jnp.asarray(x["h0"], jnp.float64)
+        outs = []
+        for c in range(NT):
+            R, S_next = state_fwd(ch["Y"][c], ch["U"][c], ch["KG"][c], gamC[c], S)
+            outs.append(o_fwd(ch["QG"][c], S, Aqk[c], R))
+            S = S_next
+        o_ref = np.asarray(layout.dense_from_chunks(jnp.stack(outs), T))
+        ht_ref = np.asarray(S)
+    r_o, r_h = _gpu_rms(_np(bufs["o"]), o_ref), _gpu_rms(_np(bufs["ht"]), ht_ref)
+    assert r_o <= 5e-3 and r_h <= 5e-3, (r_o, r_h)
