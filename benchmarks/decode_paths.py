@@ -78,6 +78,20 @@ def main(argv=None):
             S, os_ = jax.lax.scan(body, S, tuple(jnp.moveaxis(y, 1, 0) for y in (q, k, v, g, b, w)))
             return os_, S
         f_scan = jax.jit(scan, donate_argnums=0)
+
+        def scan_unrolled(S, q, k, v, g, b, w):  # the same loop unrolled: no XLA while loop
+            def body(S, x):
+                o, S = step(S, *(y[:, None] for y in x), True)
+                return S, o[:, 0]
+            S, os_ = jax.lax.scan(body, S, tuple(jnp.moveaxis(y, 1, 0) for y in (q, k, v, g, b, w)), unroll=True)
+            return os_, S
+        f_unr = jax.jit(scan_unrolled, donate_argnums=0)
+
+        def trivial(S, q, k, v, g, b, w):  # the loop with a trivial XLA op instead of the kernel: loop overhead
+            def body(S, x):
+                return S * 0.999 + 1.0, x[0][:, 0, :1]
+            return jax.lax.scan(body, S[:1, :1, :1, :1], tuple(jnp.moveaxis(y, 1, 0) for y in (q,)))
+        f_triv = jax.jit(trivial)
         st = {"S": jnp.array(S0)}
 
         def run_call():
@@ -94,6 +108,14 @@ def main(argv=None):
         row["call_us"] = host_us(run_call, sync)
         row["donated_us"] = host_us(run_don, sync)
         row["scan_us_per_token"] = host_us(run_scan, sync, n=10) / T
+
+        def run_unr():
+            o, st["S"] = f_unr(st["S"], *xs)
+            return st["S"]
+        row["scan_unrolled_us_per_token"] = host_us(run_unr, sync, n=10) / T
+        row["scan_trivial_op_us_per_token"] = host_us(lambda: f_triv(S0, *xs), sync, n=10) / T
+        txt = f_scan.lower(jnp.array(S0), *xs).compile().as_text()
+        row["scan_hlo_command_buffers"] = txt.count("command_buffer")
         # state copies in the compiled programs
         row["copies_call"] = copies(f_call.lower(S0, *one).compile().as_text())
         row["copies_donated"] = copies(f_don.lower(S0, *one).compile().as_text())

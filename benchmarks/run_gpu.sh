@@ -8,6 +8,7 @@
 #   bench   python -m benchmarks.bench (the benchmark of record; json/md/png and latest.json into $OUT)
 #   train   examples/train_lm.py --backend tilelang (training + generation at batch 1 and 64)
 #   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32
+#   smoke   a quick benchmark run (two prefill shapes, decode at B 1 and 128) into /tmp/smoke (not kept)
 # Everything logs into $OUT/log.txt; the last lines of each step are echoed (the call returns the tail).
 set -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,13 +19,17 @@ STEPS=",${1:-build,tests},"
 step() { echo "=== [$(date +%T)] $*" | tee -a "$LOG"; }
 quiet() { grep -v "TileLang:tilelang.*INFO\|^$"; }
 has() { [[ "$STEPS" == *",$1,"* ]]; }
+# the compiled-kernel cache travels packed (.kc/kcache.tgz, carry ".kc"): unpack it where GDN2_JAX_CACHE_DIR points
+[[ -f .kc/kcache.tgz ]] && mkdir -p .kcache && tar -xzf .kc/kcache.tgz -C .kcache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader | tee -a "$LOG"
 
 if has build; then
   step build
-  timeout ${T_BUILD:-240} python -m kernels.build --preset all -j 15 2>&1 | quiet | tee -a "$LOG" | tail -2
+  { timeout ${T_BUILD:-240} python -m kernels.build --preset all -j 15
+    timeout ${T_BUILD:-240} python -m benchmarks.bench --precompile -j 15; } 2>&1 | quiet | grep -v WARNING \
+      | tee -a "$LOG" | grep "kernels for"
 fi
-if has parity && has tests; then  # in parallel with the tests: correctness only, timing-insensitive
+if has parity && has tests && [[ -n "${PARITY_PARALLEL:-}" ]]; then  # alongside: correctness only
   ( timeout ${T_PARITY:-420} python -m pytest tests/test_flax_fla_parity.py -v -rs -p no:cacheprovider \
       > "$OUT/parity.part" 2>&1; echo "parity rc=$?" >> "$OUT/parity.part" ) &
   PARITY_PID=$!
@@ -34,11 +39,17 @@ if has tests; then
   timeout ${T_TESTS:-420} python -m pytest -m cuda -q -p no:cacheprovider -rs -n ${NPROC:-6} \
       --ignore=tests/test_flax_fla_parity.py 2>&1 | quiet | tee -a "$LOG" | tail -${TAIL_TESTS:-25}
 fi
-if has parity && ! has tests; then
+if has parity && [[ -z "${PARITY_PID:-}" ]]; then
   step parity; t0=$(date +%s)
   timeout ${T_PARITY:-200} python -m pytest tests/test_flax_fla_parity.py -v -rs -p no:cacheprovider 2>&1 \
       | quiet | tee -a "$LOG" | tail -12
   echo "parity wall: $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
+fi
+if has train; then
+  step train
+  timeout ${T_TRAIN:-150} python examples/train_lm.py --backend tilelang --show-hlo --steps 60 --eval-batches 2 \
+      --gen-batch 1,64 --min-loss-drop 0 --checkpoint /tmp/ck.npz 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | quiet \
+      | tee -a "$LOG" | tail -14
 fi
 if has decode; then
   step decode
@@ -48,15 +59,14 @@ if has decode; then
     timeout ${T_GRAPH:-120} python -m benchmarks.decode_paths --graph --B 1,16,128 2>&1 | quiet | tee -a "$LOG" \
     | grep "DECODE\|Error\|error" | tail -6
 fi
+if has smoke; then
+  step smoke
+  timeout ${T_SMOKE:-90} python -m benchmarks.bench --quick --sections prefill,decode --time-budget 70 \
+      --out /tmp/smoke 2>&1 | quiet | grep -v "^prefill {\|^decode {" | tee -a "$LOG" | tail -${TAIL_SMOKE:-30}
+fi
 if has bench; then
   step bench
   timeout ${T_BENCH:-420} python -m benchmarks.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | quiet | tee -a "$LOG" | tail -40
-fi
-if has train; then
-  step train
-  timeout ${T_TRAIN:-150} python examples/train_lm.py --backend tilelang --show-hlo --steps 60 --eval-batches 2 \
-      --gen-batch 1,64 --min-loss-drop 0 --checkpoint /tmp/ck.npz 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | quiet \
-      | tee -a "$LOG" | tail -14
 fi
 if has ncu; then
   step ncu

@@ -300,9 +300,11 @@ def forward(p: Problem, q, k, v, g, b, w, initial_state, cu_seqlens, poison=None
     if cu_seqlens is not None:
         cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
         if isinstance(cu_seqlens, jax.core.Tracer):
-            # Traced offsets are unchecked here: keep the kernels' reads in bounds (clip to [0, T], monotone);
-            # the entry path turns the outputs into NaN when the offsets were invalid.
-            cu = jax.lax.cummax(jnp.clip(cu, 0, p.dims.T), axis=0)
+            # Traced offsets are unchecked here: keep the kernels' reads in bounds (clip to [0, T], monotone) and
+            # inside this problem's T tokens (first 0, last T: under vmap the problems are packed end to end, and
+            # an invalid problem must not lend tokens to a neighbour); the entry path turns the outputs of invalid
+            # offsets into NaN.
+            cu = jax.lax.cummax(jnp.clip(cu, 0, p.dims.T), axis=0).at[0].set(0).at[-1].set(p.dims.T)
         arrays.append(cu)
     pool = p.option("state_pool")
     serving = {}

@@ -4,7 +4,7 @@ Every check here runs in Python at trace time, before any computation is staged,
 ``ValueError`` or ``TypeError`` whose message names the offending argument. The only checks that look
 at values are those of *concrete* arrays (NaN/inf gates, ``cu_seqlens`` offsets; numpy on the host, one
 reduction for jax arrays). Traced ``cu_seqlens`` are checked on the device instead: see
-:func:`run_poisoned_if_invalid_cu_seqlens`.
+:func:`run_poisoned`.
 """
 
 from __future__ import annotations

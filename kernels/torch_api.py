@@ -100,8 +100,8 @@ def _check(op: registry.KernelOp, q, k, v, g, b, w, initial_state, cu_seqlens, p
             raise ValueError(f"{fn}: `{name}` must have shape {shape}, got {tuple(x.shape)}")
         if not x.is_cuda:
             raise ValueError(f"{fn}: `{name}` must be on a CUDA device, got {x.device}")
-    if HV % H:
-        raise ValueError(f"{fn}: HV={HV} (from `v`) must be a multiple of H={H} (from `q`)")
+    if H < 1 or HV % H:
+        raise ValueError(f"{fn}: HV={HV} (from `v`) must be a positive multiple of H={H} (from `q`)")
     dt, gdt = names.get(q.dtype, str(q.dtype)), names.get(g.dtype, str(g.dtype))
     err = op.support.problem(dtypes={n: names.get(x.dtype, str(x.dtype)) for n, x in
                                      (("q", q), ("k", k), ("v", v), ("b", b), ("w", w))},
