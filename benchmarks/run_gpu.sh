@@ -36,7 +36,7 @@ if has parity && has tests && [[ -n "${PARITY_PARALLEL:-}" ]]; then  # alongside
 fi
 if has tests; then
   step tests
-  timeout ${T_TESTS:-420} python -m pytest -m cuda -q -p no:cacheprovider -rs -n ${NPROC:-6} \
+  timeout ${T_TESTS:-420} python -m pytest -m cuda -q -p no:cacheprovider -rs -n ${NPROC:-6} ${TEST_K:+-k "$TEST_K"} \
       --ignore=tests/test_flax_fla_parity.py 2>&1 | quiet | tee -a "$LOG" | tail -${TAIL_TESTS:-25}
 fi
 if has parity && [[ -z "${PARITY_PID:-}" ]]; then
