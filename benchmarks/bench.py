@@ -149,20 +149,26 @@ def copy_bandwidth():
 
 
 # --------------------------------------------------------------------------------------------------- prefill
-def section_prefill(ctx: Ctx):
-    rows = ctx.res["prefill"]
+def _grid_section(ctx: Ctx, name: str, row_fn, seed0: int, extra=()):
+    """One row per prefill/train grid shape: measured by ``row_fn(ctx, row, seed)``, saved after each shape."""
+    rows = ctx.res[name]
     for i, (B, T, H) in enumerate(QUICK_PREFILL if ctx.args.quick else PREFILL_GRID):
         row = {"B": B, "T": T, "H": H, "HV": H, "K": D, "V": D, "ours_ms": None, "fla_ms": None, "speedup": None}
+        row.update({k: None for k in extra})
         rows.append(row)
         if ctx.skip(row):
             continue
         try:
-            _prefill_row(ctx, row, seed=100 + i)
+            row_fn(ctx, row, seed=seed0 + i)
         except Exception as e:
             record_error(row, "row", e)
         _free()
-        _log("prefill", row)
+        _log(name, row)
         ctx.save()
+
+
+def section_prefill(ctx: Ctx):
+    _grid_section(ctx, "prefill", _prefill_row, 100)
 
 
 def _prefill_row(ctx: Ctx, row, seed):
@@ -232,20 +238,7 @@ def _prefill_row(ctx: Ctx, row, seed):
 
 # ----------------------------------------------------------------------------------------------------- train
 def section_train(ctx: Ctx):
-    rows = ctx.res["train"]
-    for i, (B, T, H) in enumerate(QUICK_PREFILL if ctx.args.quick else PREFILL_GRID):
-        row = {"B": B, "T": T, "H": H, "HV": H, "K": D, "V": D, "ours_ms": None, "fla_ms": None, "speedup": None,
-               "ours_peak_MiB": None, "fla_peak_MiB": None}
-        rows.append(row)
-        if ctx.skip(row):
-            continue
-        try:
-            _train_row(ctx, row, seed=200 + i)
-        except Exception as e:
-            record_error(row, "row", e)
-        _free()
-        _log("train", row)
-        ctx.save()
+    _grid_section(ctx, "train", _train_row, 200, extra=("ours_peak_MiB", "fla_peak_MiB"))
 
 
 def _train_row(ctx: Ctx, row, seed):

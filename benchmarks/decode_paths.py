@@ -10,21 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
-import time
 
 
-def host_us(fn, sync, n=50, reps=5):
-    r = fn()
-    sync(r)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            r = fn()
-        sync(r)
-        ts.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(ts)
+def host_us(fn, sync, n=50):
+    """Host-clock loop (``bench_lib.host_ms``) in microseconds per call."""
+    from benchmarks import bench_lib
+
+    return bench_lib.host_ms(fn, sync, n=n)[0] * 1e3
 
 
 def copies(txt):
@@ -43,21 +35,14 @@ def main(argv=None):
     from triton.testing import do_bench
 
     import gdn2_jax
+    from benchmarks import bench_lib
 
-    H = D = 128
-    H = 32
+    H, D = 32, 128
     rows = []
     for B in (int(x) for x in a.B.split(",")):
-        g = torch.Generator(device="cuda").manual_seed(B)
-        kw = dict(device="cuda", generator=g)
         T = 16
-        q = torch.nn.functional.normalize(torch.randn(B, T, H, D, **kw), dim=-1).bfloat16()
-        k = torch.nn.functional.normalize(torch.randn(B, T, H, D, **kw), dim=-1).bfloat16()
-        v = (0.5 * torch.randn(B, T, H, D, **kw)).bfloat16()
-        gg = 0.02 * (-5.0 + 4.9 * torch.rand(B, T, H, D, **kw))
-        b = torch.rand(B, T, H, D, **kw).bfloat16()
-        w = torch.rand(B, T, H, D, **kw).bfloat16()
-        h0 = torch.randn(B, H, D, D, **kw)
+        x = bench_lib.torch_inputs(B, T, H, H, seed=B)
+        q, k, v, gg, b, w, h0 = (x[n] for n in ("q", "k", "v", "g", "b", "w", "h0"))
         torch.cuda.synchronize()
         xs = [jnp.array(jax.dlpack.from_dlpack(t)) for t in (q, k, v, gg, b, w)]
         S0 = jnp.array(jax.dlpack.from_dlpack(h0))

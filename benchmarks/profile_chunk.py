@@ -21,18 +21,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     import torch
 
+    from benchmarks import bench_lib
     from kernels import torch_api
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B, T, H, D = a.B, a.T, a.H, 128
-    kw = dict(device="cuda", generator=g)
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, D, **kw), dim=-1).bfloat16()
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, **kw), dim=-1).bfloat16()
-    v = (0.5 * torch.randn(B, T, H, D, **kw)).bfloat16()
-    gg = 0.02 * (-5.0 + 4.9 * torch.rand(B, T, H, D, **kw))
-    b = torch.rand(B, T, H, D, **kw).bfloat16()
-    w = torch.rand(B, T, H, D, **kw).bfloat16()
-    h0 = torch.randn(B, H, D, D, **kw)
+    x = bench_lib.torch_inputs(a.B, a.T, a.H, a.H, seed=0)
+    q, k, v, gg, b, w, h0 = (x[n] for n in ("q", "k", "v", "g", "b", "w", "h0"))
     for _ in range(a.calls):
         o, ht = torch_api.chunk_gdn2(q, k, v, gg, b, w, initial_state=h0, output_final_state=True)
     torch.cuda.synchronize()

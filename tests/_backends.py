@@ -32,12 +32,8 @@ def oracle(q, k, v, g, b, w, h0, scale, cu=None, l2norm=False):
         k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    G = HV // H
-    q, k = np.repeat(q, G, axis=2), np.repeat(k, G, axis=2)
-    segs = [(n, n, 0, T) for n in range(B)] if cu is None else [
-        (n, 0, int(cu[n]), int(cu[n + 1])) for n in range(len(cu) - 1)]
+    q, k, segs, h0 = _setup(q, k, v, h0, cu)
     N = len(segs)
-    h0 = np.zeros((N, HV, K, V)) if h0 is None else np.asarray(h0, np.float64)
     o = np.zeros((B, T, HV, V))
     ht = np.zeros((N, HV, K, V))
     states = np.zeros((T, N, HV, K, V)) if cu is None else None
@@ -52,6 +48,18 @@ def oracle(q, k, v, g, b, w, h0, scale, cu=None, l2norm=False):
                 states[t, n] = S
         ht[n] = S
     return o, ht, states
+
+
+def _setup(q, k, v, h0, cu):
+    """q, k repeated over the value-head groups, the (sequence, batch row, start, end) segments, and the fp64
+    initial states (zeros when ``h0`` is None)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    q, k = np.repeat(q, HV // H, axis=2), np.repeat(k, HV // H, axis=2)
+    segs = [(n, n, 0, T) for n in range(B)] if cu is None else [
+        (n, 0, int(cu[n]), int(cu[n + 1])) for n in range(len(cu) - 1)]
+    h0 = np.zeros((len(segs), HV, K, V)) if h0 is None else np.asarray(h0, np.float64)
+    return q, k, segs, h0
 
 
 def oracle_grads(q, k, v, g, b, w, h0, scale, do, dht, cu=None):
@@ -70,13 +78,8 @@ def oracle_grads(q, k, v, g, b, w, h0, scale, do, dht, cu=None):
     """
     q, k, v, g, b, w, do = (np.asarray(x, np.float64) for x in (q, k, v, g, b, w, do))
     B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    G = HV // H
-    qr, kr = np.repeat(q, G, axis=2), np.repeat(k, G, axis=2)
-    segs = [(n, n, 0, T) for n in range(B)] if cu is None else [
-        (n, 0, int(cu[n]), int(cu[n + 1])) for n in range(len(cu) - 1)]
-    N = len(segs)
-    h0 = np.zeros((N, HV, K, V)) if h0 is None else np.asarray(h0, np.float64)
+    G = v.shape[2] // H
+    qr, kr, segs, h0 = _setup(q, k, v, h0, cu)
     dht = np.asarray(dht, np.float64)
     d = {n: np.zeros_like(x) for n, x in (("q", qr), ("k", kr), ("v", v), ("g", g), ("b", b), ("w", w))}
     d["h0"] = np.zeros_like(h0)
