@@ -14,7 +14,6 @@ table last. Usage (on the GPU machine)::
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 import time

@@ -1,4 +1,4 @@
-"""gdn2-jax quickstart (runs on a CPU-only machine in a few seconds).
+"""gdn2-jax quickstart (runs on a CPU-only machine in well under a minute).
 
 1. prefill a prompt with ``chunk_gdn2`` and keep its final state,
 2. decode the next tokens one at a time with ``fused_recurrent_gdn2`` from that state,

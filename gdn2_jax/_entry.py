@@ -19,8 +19,8 @@ import numpy as np
 from kernels import registry
 
 from . import backends
-from .validation import (Problem, _is_concrete, check_inputs, check_positive_int, check_state_pool, run_poisoned,
-                         traced_cu_seqlens_valid, traced_state_pool_valid)
+from .validation import (Problem, _is_concrete, canonical_slots, check_inputs, check_positive_int, check_state_pool,
+                         run_poisoned, traced_cu_seqlens_valid, traced_state_pool_valid)
 
 __all__ = ["call", "ARGS_DOC", "RETURNS_DOC"]
 
@@ -76,16 +76,17 @@ def call(op: str, args: dict):
                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_l2,
                         state_pool=idx is not None)
     options, serving = {}, {}
+    inplace = "inplace_final_state" in a and _check_bool(op, "inplace_final_state", a.pop("inplace_final_state"))
     if idx is not None:
         options["state_pool"] = check_state_pool(op, initial_state, idx, acc, N=dims.N, T=dims.T,
                                                  cu_seqlens=cu_seqlens)
-        serving = dict(ssm_state_indices=idx, num_accepted_tokens=acc)
-        a["inplace_final_state"] = True  # the pool is updated where it lies (XLA copies it unless donated)
-    if "inplace_final_state" in a:
-        inplace = options["inplace_final_state"] = _check_bool(op, "inplace_final_state", a.pop("inplace_final_state"))
-        if inplace and initial_state is None:
+        serving = dict(ssm_state_indices=canonical_slots(idx, initial_state.shape[0]), num_accepted_tokens=acc)
+        inplace = True  # a pool is always returned, updated where it lies (XLA copies it unless donated)
+    if inplace:
+        if initial_state is None:
             raise ValueError(f"{op}: `inplace_final_state=True` needs an `initial_state` to update")
-        output_final_state = output_final_state or inplace
+        options["inplace_final_state"] = True
+        output_final_state = True
     if "chunk_size" in a:
         options["chunk_size"] = check_positive_int(op, "chunk_size", a.pop("chunk_size"))
     if a:
@@ -102,7 +103,12 @@ def call(op: str, args: dict):
     if idx is not None and not all(x is None or _is_concrete(x) for x in (idx, acc, cu_seqlens)):
         ok = traced_state_pool_valid(idx, acc, initial_state.shape[0], cu_seqlens)
         valid = ok if valid is None else valid & ok
-    return run_poisoned(valid, run, *arrays, initial_state)
+    o, final_state = run_poisoned(valid, run, *arrays, initial_state)
+    if inplace and final_state is not None and final_state.dtype != initial_state.dtype:
+        # the in-place state keeps its buffer's dtype (float64 inputs under x64 compute in float64): a loop
+        # carrying it sees the same type in and out
+        final_state = final_state.astype(initial_state.dtype)
+    return o, final_state
 
 
 ARGS_DOC = """

@@ -42,13 +42,15 @@ def fused_recurrent_gdn2(q: Array, k: Array, v: Array, g: Array, b: Array, w: Ar
     ``w`` is keyword-only. The xla backend is differentiable (autodiff through the token loop).
 
     ``inplace_final_state=True`` (FLA's serving argument) returns the final state in ``initial_state``'s buffer
-    (it implies ``output_final_state=True``): donate the state to ``jax.jit`` or carry it through ``lax.scan`` /
-    ``fori_loop`` and the kernel updates it in place, with no copy of the state per step. The call stays
-    functional: where XLA cannot reuse the buffer (a state that is not donated), it copies it first.
+    and dtype (it implies ``output_final_state=True``): donate the state to ``jax.jit`` or carry it through
+    ``lax.scan`` / ``fori_loop`` and the kernel updates it in place, with no copy of the state per step. The call
+    stays functional (a caller's array is never modified): where XLA cannot reuse the buffer (a state that is not
+    donated), it copies it first.
 
     Serving (FLA's continuous batching and speculative decoding): with ``ssm_state_indices`` the ``initial_state``
-    is a state pool ``[P, HV, K, V]`` and the returned final state is that pool, updated in place (as with
-    ``inplace_final_state``): sequence n reads and writes only its slots. ``ssm_state_indices [N]``: start from
+    is a state pool ``[P, HV, K, V]`` and the returned final state is always that pool (whatever
+    ``output_final_state`` / ``inplace_final_state`` say), in the pool's buffer when it is donated or loop-carried
+    (as with ``inplace_final_state``; otherwise XLA copies it first): sequence n reads and writes only its slots. ``ssm_state_indices [N]``: start from
     slot ``[n]``, write the final state there. ``ssm_state_indices [N, L]`` (one slot per draft token, L >= the
     tokens of every sequence): the state after token t goes to slot ``[n, t]``, and the sequence starts from slot
     ``[n, num_accepted_tokens[n] - 1]`` (slot ``[n, 0]`` without ``num_accepted_tokens``), i.e. from the state

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Dims", "Problem", "check_inputs", "check_cu_seqlens", "check_state_pool", "check_positive_int", "check_positive_float",
+__all__ = ["Dims", "Problem", "check_inputs", "check_cu_seqlens", "check_state_pool", "canonical_slots", "check_positive_int", "check_positive_float",
            "check_finite_gates", "concrete_all", "traced_cu_seqlens_valid", "traced_state_pool_valid", "run_poisoned"]
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
@@ -330,10 +330,22 @@ def traced_cu_seqlens_valid(cu_seqlens, T: int):
     return (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] == T)
 
 
+def canonical_slots(ssm_state_indices, P: int):
+    """Slot indices as int32 without wrap-around: negative (padding, in any integer dtype) -> -1, >= P (invalid:
+    the kernels skip it, :func:`traced_state_pool_valid` poisons the call) -> P, others unchanged."""
+    xp = jnp if isinstance(ssm_state_indices, jax.Array) else np  # numpy int64 first: jnp would wrap it without x64
+    idx = xp.asarray(ssm_state_indices)
+    big = xp.minimum(idx, xp.asarray(P, idx.dtype))  # compared in the indices' own dtype (uint32, int64, ...)
+    if xp.issubdtype(idx.dtype, xp.signedinteger):
+        big = xp.where(idx < 0, xp.asarray(-1, idx.dtype), big)
+    return jnp.asarray(big.astype(np.int32))
+
+
 def traced_state_pool_valid(ssm_state_indices, num_accepted_tokens, P: int, cu_seqlens=None):
     """Device-side validity (a bool scalar) of traced pool arguments: slots < P, non-negative slots distinct,
-    ``num_accepted_tokens`` in [1, L], and per-token slots ``[N, L]`` for every token of packed ``cu_seqlens``."""
-    idx = ssm_state_indices.reshape(-1).astype(jnp.int32)
+    ``num_accepted_tokens`` in [1, L], and per-token slots ``[N, L]`` for every token of packed ``cu_seqlens``.
+    Compared in the arguments' own integer dtypes (no wrap-around through a narrower cast)."""
+    idx = canonical_slots(ssm_state_indices, P).reshape(-1)
     s = jnp.sort(jnp.where(idx < 0, -1 - jnp.arange(idx.size, dtype=jnp.int32), idx))  # padding slots stay distinct
     ok = jnp.all(idx < P) & jnp.all(s[1:] != s[:-1])
     if num_accepted_tokens is not None:

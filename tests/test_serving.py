@@ -692,3 +692,59 @@ def test_gpu_torch_pool_path_equals_jax_bitwise(mode):
     ref_o, ref_pool, written = pool_oracle(x, x["pool"], idx, acc=acc, cu=cu)
     check_o(o_j, ref_o)
     check_pool(p_j, ref_pool, written, x["pool"])
+
+
+# ------------------------------------------------------------------------- wide / unsigned indices, dtypes
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wide_and_unsigned_indices_never_wrap(backend):
+    """Slot indices are compared in their own dtype before any int32 cast: a numpy int64 -2**32 + 2 is padding
+    (not slot 2), an unsigned 2**32 - 1 traced under jit is out of range (NaN, not padding), and a concrete
+    2**32 + 1 is a ValueError (not slot 1)."""
+    x = make(7, B=2, T=1, P=4)
+    j = [jnp.asarray(x[n]) for n in NAMES]
+
+    def op(idx):  # numpy indices passed as they are (jnp.asarray would itself wrap int64 without x64)
+        return gdn2_jax.fused_recurrent_gdn2(*j, initial_state=jnp.asarray(x["pool"]), ssm_state_indices=idx,
+                                             backend=backend)
+
+    o, new = op(np.array([-2**32 + 2, -1], np.int64))
+    np.testing.assert_array_equal(np.asarray(new), x["pool"])  # both sequences are padding: nothing written
+    ref_o, _, written = pool_oracle(x, x["pool"], np.array([-1, -1]))
+    assert written == set()
+    check_o(o, ref_o)
+    with pytest.raises(ValueError, match="ssm_state_indices"):
+        op(np.array([2**32 + 1, 1], np.int64))
+    f = jax.jit(lambda idx: gdn2_jax.fused_recurrent_gdn2(*j, initial_state=jnp.asarray(x["pool"]),
+                                                          ssm_state_indices=idx, backend=backend))
+    o, new = f(jnp.asarray([2**32 - 1, 3], jnp.uint32))
+    assert np.isnan(np.asarray(o, np.float32)).all() and np.isnan(np.asarray(new)[3]).all()
+    assert np.isfinite(np.asarray(new)[:3]).all()  # no slot but the written one is touched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pool_checks_inplace_flag_type(backend):
+    x = make(8, B=2, T=1, P=4)
+    with pytest.raises(TypeError, match="inplace_final_state"):
+        call(backend, x, x["pool"], np.array([1, 2]), inplace_final_state="yes")
+
+
+def test_inplace_state_keeps_its_dtype_under_x64(x64):
+    """float64 inputs under x64 compute in float64, but an in-place float32 state stays float32, so a scan can
+    carry it (same type in and out)."""
+    rng = np.random.default_rng(3)
+    B, H, K = 2, 1, 4
+    xs = [jnp.asarray(rng.standard_normal((B, 3, H, K))) for _ in range(3)]
+    g = -jnp.abs(jnp.asarray(rng.standard_normal((B, 3, H, K))))
+    bw = [jnp.asarray(rng.uniform(0, 1, (B, 3, H, K))) for _ in range(2)]
+    S0 = jnp.asarray(rng.standard_normal((B, H, K, K)), jnp.float32)
+
+    def body(S, t):
+        o, S = gdn2_jax.fused_recurrent_gdn2(*(a[:, t][:, None] for a in xs + [g] + bw), initial_state=S,
+                                             inplace_final_state=True, backend="xla")
+        return S, o
+
+    S, o = jax.lax.scan(body, S0, jnp.arange(3))
+    assert S.dtype == jnp.float32 and o.dtype == jnp.float64
+    _, S_ref = gdn2_jax.naive_recurrent_gdn2(*(xs + [g] + bw), initial_state=S0.astype(jnp.float64),
+                                             output_final_state=True)
+    assert float(jnp.max(jnp.abs(S - S_ref))) < 1e-5
