@@ -565,17 +565,23 @@ def section_accuracy(ctx: Ctx):
         ctx.save()
 
 
+def _acc_case(rows, shape, case, seed, state_name):
+    """Spec §15 accuracy inputs of ``shape`` (B, T, H), their fp64 oracle and the two result rows (o, state),
+    appended to ``rows``. Returns ``(x, args, h0, ref_o, ref_state, o_row, state_row)``."""
+    B, T, H = shape
+    x = L.torch_inputs(B, T, H, H, seed=seed, g_scale=1.0)
+    a, h0 = [x[n] for n in ARGS], x["h0"]
+    ref_o, ref_s = L.oracle_np(*(L.tnp(t) for t in a), L.tnp(h0), D ** -0.5)
+    case = case.format(B=B, T=T, H=H, D=D)
+    ro, rs = _arow(case, "o", bf16_floor=L.bf16_floor(ref_o)), _arow(case, state_name)
+    rows += [ro, rs]
+    return x, a, h0, ref_o, ref_s, ro, rs
+
+
 def _acc_prefill(ctx: Ctx, rows):
     import torch
 
-    B, T, H = ACC_PREFILL
-    case = f"prefill B{B} T{T} H{H} D{D}"
-    x = L.torch_inputs(B, T, H, H, seed=123, g_scale=1.0)
-    a, h0 = [x[n] for n in ARGS], x["h0"]
-    ref_o, ref_s = L.oracle_np(*(L.tnp(t) for t in a), L.tnp(h0), D ** -0.5)
-    ro = _arow(case, "o", bf16_floor=L.bf16_floor(ref_o))
-    rs = _arow(case, "final_state")
-    rows += [ro, rs]
+    x, a, h0, ref_o, ref_s, ro, rs = _acc_case(rows, ACC_PREFILL, "prefill B{B} T{T} H{H} D{D}", 123, "final_state")
 
     def ours():
         o, s = L.jax_prefill_fn()(*[L.to_jax(x[n]) for n in ARGS + ("h0",)])
@@ -604,14 +610,9 @@ def _acc_prefill(ctx: Ctx, rows):
 
 
 def _acc_decode(ctx: Ctx, rows):
+    x, a, h0, ref_o, ref_s, ro, rs = _acc_case(rows, ACC_DECODE, "decode B{B} H{H} D{D}, {T}-token in-place loop",
+                                               321, "state")
     B, T, H = ACC_DECODE
-    case = f"decode B{B} H{H} D{D}, {T}-token in-place loop"
-    x = L.torch_inputs(B, T, H, H, seed=321, g_scale=1.0)
-    a, h0 = [x[n] for n in ARGS], x["h0"]
-    ref_o, ref_s = L.oracle_np(*(L.tnp(t) for t in a), L.tnp(h0), D ** -0.5)
-    ro = _arow(case, "o", bf16_floor=L.bf16_floor(ref_o))
-    rs = _arow(case, "state")
-    rows += [ro, rs]
 
     def ours():  # the public op, backend="tilelang", inplace_final_state=True, state donated, one call per token
         import jax.numpy as jnp
