@@ -171,6 +171,16 @@ def section_prefill(ctx: Ctx):
     _grid_section(ctx, "prefill", _prefill_row, 100)
 
 
+def _measure_jax(row, f, jx, *, target_s):
+    """Our jitted JAX function ``f(*jx)``: compiled memory (``ours_peak_MiB``) and host-loop time (``ours_ms``)."""
+    mem = attempt(row, "ours_mem", lambda: L.jax_compiled_memory(f, *jx))
+    if mem:
+        row["ours_peak_MiB"], row["ours_mem"] = mem["total_MiB"], mem
+    t = attempt(row, "ours", lambda: L.host_ms(lambda: f(*jx), L.jax_sync, target_s=target_s))
+    if t:
+        row["ours_ms"], row["ours_n"] = t
+
+
 def _prefill_row(ctx: Ctx, row, seed):
     import torch
 
@@ -185,13 +195,7 @@ def _prefill_row(ctx: Ctx, row, seed):
 
     # ours: the public op through JAX, as a user calls it
     jx = [L.to_jax(x[n]) for n in ARGS + ("h0",)]
-    f = L.jax_prefill_fn()
-    mem = attempt(row, "ours_mem", lambda: L.jax_compiled_memory(f, *jx))
-    if mem:
-        row["ours_peak_MiB"], row["ours_mem"] = mem["total_MiB"], mem
-    t = attempt(row, "ours", lambda: L.host_ms(lambda: f(*jx), L.jax_sync, target_s=0.05))
-    if t:
-        row["ours_ms"], row["ours_n"] = t
+    _measure_jax(row, L.jax_prefill_fn(), jx, target_s=0.05)
 
     # the same kernels through torch, whole pipeline and launch by launch
     if ctx.kernels_ok:
@@ -252,13 +256,7 @@ def _train_row(ctx: Ctx, row, seed):
     L.torch_sync()
 
     jx = [L.to_jax(x[n]) for n in ARGS] + [L.to_jax(do)]
-    f = L.jax_train_fn()
-    mem = attempt(row, "ours_mem", lambda: L.jax_compiled_memory(f, *jx))
-    if mem:
-        row["ours_peak_MiB"], row["ours_mem"] = mem["total_MiB"], mem
-    t = attempt(row, "ours", lambda: L.host_ms(lambda: f(*jx), L.jax_sync, target_s=0.1))
-    if t:
-        row["ours_ms"], row["ours_n"] = t
+    _measure_jax(row, L.jax_train_fn(), jx, target_s=0.1)
 
     if ctx.fla_ok:
         from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
