@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
 from kernels import registry
 
 from . import backends
-from .validation import (Problem, _is_concrete, canonical_slots, check_inputs, check_positive_int, check_state_pool,
-                         run_poisoned, traced_cu_seqlens_valid, traced_state_pool_valid)
+from .validation import (Problem, _is_concrete, canonical_slots, check_bool, check_inputs, check_positive_int,
+                         check_state_pool, run_poisoned, traced_cu_seqlens_valid, traced_state_pool_valid)
 
 __all__ = ["call", "ARGS_DOC", "RETURNS_DOC"]
 
@@ -30,12 +28,6 @@ _REFERENCES = {
     "naive_chunk_gdn2": "gdn2_jax.xla.chunk:naive_chunk_forward",
 }
 _ARRAYS = ("q", "k", "v", "g", "b", "w")
-
-
-def _check_bool(fn, name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{fn}: `{name}` must be a Python bool, got {type(value).__name__}")
-    return bool(value)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +68,7 @@ def call(op: str, args: dict):
                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_l2,
                         state_pool=idx is not None)
     options, serving = {}, {}
-    inplace = "inplace_final_state" in a and _check_bool(op, "inplace_final_state", a.pop("inplace_final_state"))
+    inplace = "inplace_final_state" in a and check_bool(op, "inplace_final_state", a.pop("inplace_final_state"))
     if idx is not None:
         options["state_pool"] = check_state_pool(op, initial_state, idx, acc, N=dims.N, T=dims.T,
                                                  cu_seqlens=cu_seqlens)

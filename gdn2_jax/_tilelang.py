@@ -98,8 +98,6 @@ def _prime(pipe: Pipeline, inputs: dict, arch: str) -> None:
 
 
 def _prime_run(pipe: Pipeline, inputs: dict, arch: str) -> None:
-    import jax.numpy as jnp
-
     small = {}
     for n, x in inputs.items():
         shape = tuple(x.shape)

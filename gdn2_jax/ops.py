@@ -50,11 +50,12 @@ def fused_recurrent_gdn2(q: Array, k: Array, v: Array, g: Array, b: Array, w: Ar
     Serving (FLA's continuous batching and speculative decoding): with ``ssm_state_indices`` the ``initial_state``
     is a state pool ``[P, HV, K, V]`` and the returned final state is always that pool (whatever
     ``output_final_state`` / ``inplace_final_state`` say), in the pool's buffer when it is donated or loop-carried
-    (as with ``inplace_final_state``; otherwise XLA copies it first): sequence n reads and writes only its slots. ``ssm_state_indices [N]``: start from
-    slot ``[n]``, write the final state there. ``ssm_state_indices [N, L]`` (one slot per draft token, L >= the
-    tokens of every sequence): the state after token t goes to slot ``[n, t]``, and the sequence starts from slot
-    ``[n, num_accepted_tokens[n] - 1]`` (slot ``[n, 0]`` without ``num_accepted_tokens``), i.e. from the state
-    after the draft tokens the previous step accepted. A negative slot is padding: start from zero, write nothing.
+    (as with ``inplace_final_state``; otherwise XLA copies it first): sequence n reads and writes only its slots.
+    ``ssm_state_indices [N]``: start from slot ``[n]``, write the final state there. ``ssm_state_indices [N, L]``
+    (one slot per draft token, L >= the tokens of every sequence): the state after token t goes to slot ``[n, t]``,
+    and the sequence starts from slot ``[n, num_accepted_tokens[n] - 1]`` (slot ``[n, 0]`` without
+    ``num_accepted_tokens``), i.e. from the state after the draft tokens the previous step accepted. A negative slot
+    is padding: start from zero, write nothing.
     """
     return call("fused_recurrent_gdn2", locals())
 

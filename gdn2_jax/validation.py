@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Dims", "Problem", "check_inputs", "check_cu_seqlens", "check_state_pool", "canonical_slots", "check_positive_int", "check_positive_float",
-           "check_finite_gates", "concrete_all", "traced_cu_seqlens_valid", "traced_state_pool_valid", "run_poisoned"]
+__all__ = ["Dims", "Problem", "check_inputs", "check_cu_seqlens", "check_state_pool", "canonical_slots", "check_bool",
+           "check_positive_int", "check_positive_float", "check_finite_gates", "concrete_all",
+           "traced_cu_seqlens_valid", "traced_state_pool_valid", "run_poisoned"]
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
@@ -90,8 +91,8 @@ def check_inputs(
     """Validate the arguments of ``chunk_gdn2`` / ``fused_recurrent_gdn2`` and friends.
 
     With ``state_pool`` the ``initial_state`` is a pool ``[P, HV, K, V]`` of any P >= 1 (checked further by
-    :func:`check_state_pool`). Returns the static :class:`Dims`. Raises ``TypeError`` for wrong dtypes or non-array inputs and
-    ``ValueError`` for wrong shapes or values (including NaN/inf in concrete g, b, w, and concrete
+    :func:`check_state_pool`). Returns the static :class:`Dims`. Raises ``TypeError`` for wrong dtypes or non-array
+    inputs and ``ValueError`` for wrong shapes or values (including NaN/inf in concrete g, b, w, and concrete
     ``cu_seqlens`` that do not run from 0 to T without decreasing); every message starts with ``fn`` and
     names the argument.
     """
@@ -164,12 +165,8 @@ def check_inputs(
                 f"{fn}: `initial_state` must be float32 (or float64 with jax_enable_x64), got {initial_state.dtype}"
             )
 
-    for name, flag in (("output_final_state", output_final_state),
-                       ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)):
-        if not isinstance(flag, (bool, np.bool_)):
-            hint = (" (a traced value: under jax.jit pass it as a static argument, e.g. static_argnames)"
-                    if isinstance(flag, jax.core.Tracer) else "")
-            raise TypeError(f"{fn}: `{name}` must be a Python bool, got {type(flag).__name__}{hint}")
+    check_bool(fn, "output_final_state", output_final_state)
+    check_bool(fn, "use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
 
     check_finite_gates(fn, g, b, w)
 
@@ -205,6 +202,15 @@ def check_cu_seqlens(fn: str, cu_seqlens, B: int, T: int) -> int:
         if cu[-1] != T:
             raise ValueError(f"{fn}: `cu_seqlens` must end at T={T}, got {cu[-1]}")
     return cu_seqlens.shape[0] - 1
+
+
+def check_bool(fn: str, name: str, value) -> bool:
+    """``value`` as a Python bool (numpy bool accepted); ``TypeError`` naming ``name`` otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        hint = (" (a traced value: under jax.jit pass it as a static argument, e.g. static_argnames)"
+                if isinstance(value, jax.core.Tracer) else "")
+        raise TypeError(f"{fn}: `{name}` must be a Python bool, got {type(value).__name__}{hint}")
+    return bool(value)
 
 
 def check_positive_int(fn: str, name: str, value) -> int:

@@ -105,7 +105,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default=None, help="e.g. sm_90a (default: the local GPU's, else sm_90a)")
     ap.add_argument("--preset", default=None, help="serving | tests | bench | layers | sweep | all (or a,b,...)")
-    ap.add_argument("--op", default="all", help=f"comma-separated op names from kernels.registry ({', '.join(registry.OPS)}), or all")
+    ap.add_argument("--op", default="all",
+                    help=f"comma-separated op names from kernels.registry ({', '.join(registry.OPS)}), or all")
     ap.add_argument("-j", "--jobs", type=int, default=1)
     for n in ("H", "HV", "K", "V"):
         ap.add_argument(f"--{n}", type=int)
