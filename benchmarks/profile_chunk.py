@@ -1,15 +1,60 @@
-"""Run the chunk prefill pipeline (torch path) on one grid shape, for ``ncu`` (Nsight Compute) to profile.
+"""Run the chunk prefill pipeline (torch path) on one grid shape, for ``ncu`` (Nsight Compute) to profile; or time
+its launches over the benchmark grid.
 
     ncu --clock-control none --kernel-name main_kernel --launch-skip 2 --launch-count 2 \\
         --section SpeedOfLight --section Occupancy ... python -m benchmarks.profile_chunk --B 4 --T 4096 --H 32
+    python -m benchmarks.profile_chunk --time [--variants default,exact_diag,bv64]
 
-Two warm-up calls, then two profiled launches: the intra-chunk kernel and the state/output kernel (TileLang names
-every kernel ``main_kernel``). Inputs follow spec §15 (bf16, fp32 g, D = 128). Needs a GPU.
+Profiling: two warm-up calls, then two profiled launches: the intra-chunk kernel and the state/output kernel
+(TileLang names every kernel ``main_kernel``). ``--time``: do_bench medians (ms) of each launch of each kernel
+variant (``default``; ``exact_diag``: every diagonal block of the intra kernel summed exactly in fp32, the
+pre-v5 arithmetic; ``bv64``: state kernel with V-blocks of 64) on the prefill grid, and FLA 0.6.0's
+``chunk_gdn2`` in the same process; one JSON line per shape (``PROFILE {...}``). Inputs follow spec §15 (bf16,
+fp32 g, D = 128). Needs a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+
+GRID = ((1, 4096, 16), (1, 16384, 16), (4, 4096, 32), (8, 2048, 32), (1, 32768, 32), (16, 1024, 32))
+VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v": 64}}
+
+
+def time_grid(variants, shapes=GRID):
+    import torch
+    from triton.testing import do_bench
+
+    from benchmarks import bench_lib
+    from kernels import registry
+
+    rows = []
+    for B, T, H in shapes:
+        x = bench_lib.torch_inputs(B, T, H, H, seed=0)
+        row = {"B": B, "T": T, "H": H}
+        for name in variants:
+            cfg = registry.config(H=H, HV=H, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+                                  use_initial_state=True, output_final_state=True, varlen=False,
+                                  use_qk_l2norm=False, **VARIANTS[name])
+            pipe = registry.get("chunk_gdn2").pipeline(**cfg)
+            calls = bench_lib.stage_callables(pipe, x)
+            for la, fn in calls:
+                row[f"{name}:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
+            del calls
+            torch.cuda.empty_cache()
+        try:
+            from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
+
+            a = [x[n] for n in ("q", "k", "v", "g", "b", "w")]
+            with torch.inference_mode():
+                row["fla_total"] = do_bench(lambda: fla_chunk(*a, initial_state=x["h0"], output_final_state=True),
+                                            warmup=10, rep=60, return_mode="median")
+        except Exception as e:  # pragma: no cover
+            row["fla_error"] = repr(e)[:200]
+        print("PROFILE " + json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def main(argv=None):
@@ -18,7 +63,12 @@ def main(argv=None):
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--H", type=int, default=32)
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--variants", default="default,exact_diag,bv64")
     a = ap.parse_args(argv)
+    if a.time:
+        time_grid(a.variants.split(","))
+        return
     import torch
 
     from benchmarks import bench_lib

@@ -8,6 +8,8 @@
 #   bench   python -m benchmarks.bench (the benchmark of record; json/md/png and latest.json into $OUT)
 #   train   examples/train_lm.py --backend tilelang (training + generation at batch 1 and 64)
 #   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32
+#   ptime   benchmarks/profile_chunk.py --time: each chunk launch of each kernel variant on the grid, FLA alongside
+#   ncusrc  per-SASS-instruction executed counts of the intra kernel at B4 T4096 H32 ($OUT/intra_sass.csv)
 #   smoke   a quick benchmark run (two prefill shapes, decode at B 1 and 128) into /tmp/smoke (not kept)
 # Everything logs into $OUT/log.txt; the last lines of each step are echoed (the call returns the tail).
 set -o pipefail
@@ -53,11 +55,12 @@ if has train; then
 fi
 if has decode; then
   step decode
-  timeout ${T_DECODE:-150} python -m benchmarks.decode_paths 2>&1 | quiet | tee -a "$LOG" | grep DECODE
-  step decode-graph
-  GDN2_JAX_CUDA_GRAPH=1 XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
-    timeout ${T_GRAPH:-120} python -m benchmarks.decode_paths --graph --B 1,16,128 2>&1 | quiet | tee -a "$LOG" \
-    | grep "DECODE\|Error\|error" | tail -6
+  timeout ${T_DECODE:-150} python -m benchmarks.decode_paths --torch-first --trace "$OUT" 2>&1 | quiet \
+      | tee -a "$LOG" | grep "DECODE\|TORCH\|==\|span"
+  step decode-graph; mkdir -p "$OUT/g"
+  GDN2_JAX_CUDA_GRAPH=1 XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1 --xla_dump_to=$OUT/g/xla --xla_dump_hlo_module_re=.*scan.*" \
+    timeout ${T_GRAPH:-120} python -m benchmarks.decode_paths --graph --B 1,16,128 --trace "$OUT/g" 2>&1 | quiet | tee -a "$LOG" \
+    | grep "DECODE\|Error\|error\|==\|span" | tail -12
 fi
 if has smoke; then
   step smoke
@@ -75,6 +78,20 @@ if has ncu; then
       --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
       python -m benchmarks.profile_chunk --B 4 --T 4096 --H 32 2>&1 | quiet > "$OUT/ncu.txt"
   grep -E "main_kernel|Duration|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Theoretical Occ|Issued Ipc|No Eligible|Stall|DRAM Throughput|L1/TEX Hit|Dynamic Shared" "$OUT/ncu.txt" | head -40 | tee -a "$LOG"
+fi
+if has ptime; then
+  step ptime
+  timeout ${T_BUILD:-240} python -m kernels.build --preset profile -j 8 2>&1 | quiet | grep "kernels for" | tee -a "$LOG"
+  timeout ${T_PTIME:-240} python -m benchmarks.profile_chunk --time 2>&1 | quiet | grep "PROFILE\|Error" | tee -a "$LOG"
+fi
+if has ncusrc; then
+  step ncusrc
+  timeout ${T_NCU:-150} ncu --clock-control none --kernel-name main_kernel --launch-skip 4 --launch-count 1 \
+      --section SourceCounters --section InstructionStats --section WarpStateStats -f -o /tmp/intra_src \
+      python -m benchmarks.profile_chunk --B 4 --T 4096 --H 32 2>&1 | quiet | tail -3 | tee -a "$LOG"
+  ncu -i /tmp/intra_src.ncu-rep --page source --print-source sass --csv > "$OUT/intra_sass.csv" 2>&1
+  ncu -i /tmp/intra_src.ncu-rep --page details > "$OUT/intra_details.txt" 2>&1
+  wc -l "$OUT/intra_sass.csv" | tee -a "$LOG"; grep -E "Executed Instructions|Stall|Branch" "$OUT/intra_details.txt" | head -20 | tee -a "$LOG"
 fi
 if [[ -n "${PARITY_PID:-}" ]]; then  # (it ran alongside every step above: their timings are provisional)
   wait $PARITY_PID; step parity-in-parallel; quiet < "$OUT/parity.part" | tee -a "$LOG" | tail -12

@@ -1,6 +1,6 @@
 """Ahead-of-time compile of the GDN-2 TileLang kernels into the on-disk cache (no GPU needed).
 
-    python -m kernels.build [--arch sm_90a] [--preset serving|tests|bench|layers|sweep|all] [--op NAME[,NAME]] [-j N]
+    python -m kernels.build [--arch sm_90a] [--preset serving|tests|bench|layers|sweep|profile|all] [--op NAME[,NAME]] [-j N]
     python -m kernels.build --H 16 --HV 16 --K 128 --V 128 --dtype bfloat16 [--g-dtype float32] \
         [--initial-state] [--final-state] [--varlen] [--l2norm] [--scale S]
 
@@ -49,8 +49,10 @@ def preset(name: str) -> list[dict]:
     pools = [dict(c, inplace_state=True, **m) for c in (cfg(32, 32, 128), cfg(2, 4, 128), cfg(2, 4, 128, l2=True),
                                                         cfg(2, 4, 64, varlen=True), cfg(1, 2, 64))
              for m in pool_modes]
+    # benchmarks/profile_chunk.py --time: the chunk kernel variants it compares with the default on the grid
+    profile = [dict(cfg(h, h, 128), **opt) for h in (16, 32) for opt in (dict(exact_diag=True), dict(block_v=64))]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,
-             "all": serving + pools + bench + tests + layers, "sweep": _sweep()}
+             "all": serving + pools + bench + tests + layers, "sweep": _sweep(), "profile": profile}
     if name not in table:
         raise SystemExit(f"unknown preset {name!r}; choose from {sorted(table)}")
     seen, out = set(), []
@@ -104,7 +106,7 @@ def build(configs, ops, arch, jobs=1, log=print):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default=None, help="e.g. sm_90a (default: the local GPU's, else sm_90a)")
-    ap.add_argument("--preset", default=None, help="serving | tests | bench | layers | sweep | all (or a,b,...)")
+    ap.add_argument("--preset", default=None, help="serving | tests | bench | layers | sweep | profile | all (or a,b,...)")
     ap.add_argument("--op", default="all",
                     help=f"comma-separated op names from kernels.registry ({', '.join(registry.OPS)}), or all")
     ap.add_argument("-j", "--jobs", type=int, default=1)

@@ -12,11 +12,12 @@ Launch 1 ``gdn2_chunk_intra`` (grid: chunk slots x value heads, fully parallel; 
 the channel axis walked in slices of 32) computes the cumulative decay, ``Aqk`` and ``T``, the solve, and stores ``Aqk``, ``Y``, ``U``, ``QG = scale*q*exp(G)``, ``KG = k*exp(G_C - G)``
 (input dtype) and ``GAM = exp(G_C)`` (fp32). Exponents are only evaluated where they are <= 0:
 
-* off-diagonal 16x16 blocks of Aqk / T use TF32 tensor-core products anchored at the first row n of the row
-  sub-chunk: ``(q_r exp(G_r - G_n)) . (k_s exp(G_n - G_s))`` with r >= n > s;
-* diagonal 16x16 blocks are exact fp32 sums over channels; a thread owns one column s and a group of rows r0..:
-  ``exp(G_r0 - G_s)`` (clamped at 0 where r0 < s, those entries are masked), then running products with the
-  per-token factors ``exp(g_r)`` <= 1 for the next rows;
+* the 16x16 blocks of Aqk / T use TF32 tensor-core products anchored at a row a of the row sub-chunk [n, n+16):
+  ``(q_r exp(G_r - G_a)) . (k_s exp(G_a - G_s))``. Per channel slice, when every ``|G_r - G_(n+8)|`` within every
+  sub-chunk is at most 50 (base 2; 69 nats over 16 tokens) the anchor is a = n + 8 and the diagonal blocks are
+  products too (all factors in 2^[-50, 50]); otherwise a = n for the off-diagonal blocks (exponents <= 0) and
+  the diagonal blocks are exact fp32 sums over channels (a thread owns one column s and a group of rows,
+  ``exp(min(G_r - G_s, 0))`` per element). ``exact_diag=True`` forces the second path everywhere;
 * ``(I+T)^-1``: the four diagonal 16x16 blocks by fp32 forward substitution (D), then
   ``A = (I - N + N^2 - N^3) D`` with ``N = D T_off`` (strictly block-lower, N^4 = 0), TF32 products.
 
@@ -39,7 +40,10 @@ from ._pipeline import Buf, Launch, Pipeline
 __all__ = ["chunk_fwd_pipeline", "num_chunk_slots"]
 
 SUB = 16
-_VERSION = 4  # bump when the generated code changes in a way the source hash would not see
+# a slice's diagonal 16x16 blocks use TF32 products (anchored at each sub-chunk's row 8) when every base-2 log-decay
+# within a sub-chunk lies within this distance of that row's (69 nats over 16 tokens); else exact fp32 sums
+DIAG_HALF_RANGE = 50.0
+_VERSION = 5  # bump when the generated code changes in a way the source hash would not see
 
 
 def num_chunk_slots(T: int, N: int, varlen: bool) -> int:
@@ -75,16 +79,16 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # ----------------------------------------------------------------------------------------------------------------
 # launch 1: intra-chunk (cumsum, Aqk, T, solve, WY auxiliaries)
 # ----------------------------------------------------------------------------------------------------------------
-def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks):
+def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (about 83 KB for K = V = 128) and
     registers allow two 256-thread blocks per SM. Per slice: load g, q, k (optionally L2-normalised), b*k; the
     within-chunk cumulative sum of the slice (segment prefix, then segment offsets); store QG, KG, GAM for the slice
-    and keep ``b*k*exp(G)`` (input dtype) for the Y product; accumulate the off-diagonal 16x16 blocks of Aqk and T
-    (TF32 products anchored at the row sub-chunk's first row, one register accumulator per row sub-chunk) and the
-    exact diagonal blocks (thread = block, column s, group of rows; the first row's decay ``exp(G_r0 - G_s)`` once
-    per channel, then running products of ``exp(g)``). Then: store Aqk; invert the diagonal 16x16 blocks of I + T
+    and keep ``b*k*exp(G)`` (input dtype) for the Y product; decide the slice's path (``__syncthreads_or`` over
+    its decay ranges, block-uniform); accumulate the 16x16 blocks of Aqk and T as anchored TF32 products (one
+    register accumulator per row sub-chunk; the diagonal blocks included on the fast path) or, on the exact path,
+    the diagonal blocks as fp32 sums (thread = block, column s, group of rows). Then: store Aqk; invert the diagonal 16x16 blocks of I + T
     by forward substitution; ``A = (I - N + N^2 - N^3) D`` with TF32 products; ``Y = A (b k exp(G))`` and
     ``U = A (w v)`` with bf16/fp16 tensor-core products.
     """
@@ -104,38 +108,55 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     PADB = 8                    # row padding of SIMT-read tiles against bank conflicts (16 bytes)
     PADF = 4
     scale = float(scale)
+    force_exact = 1 if exact_diag else 0
 
     sig, dims = _signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, varlen=varlen)
     B, Tn, NT, NP1 = dims["B"], dims["T"], dims["NT"], dims["NP1"]
 
     @T.macro
-    def offdiag3(QE1, QE2, QE3, Kc1, Kc2, Kc3, Acc1, Acc2, Acc3, Gc, qc, kc, bkc):
-        # rows [n, n+BC) x columns [0, n), n = ib*BC: (q_r 2^(G_r-G_n)) . (k_s 2^(G_n-G_s)), ib = 1, 2, 3
+    def anchored(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, Acc0, Acc1, Acc2, Acc3, Gc, qc, kc, bkc, fast):
+        # rows [n, n+BC) of q (x scale) and b*k (n = ib*BC) against columns s < n + BC, as TF32 products anchored
+        # at row a of the sub-chunk: (x_r 2^(G_r-G_a)) . (k_s 2^(G_a-G_s)). Exact path (fast == 0): a = n, only the
+        # off-diagonal columns s < n (both exponents <= 0; the diagonal block is summed exactly below). Fast path:
+        # a = n + 8 and the diagonal block too: every |G_r - G_a| <= DIAG_HALF_RANGE in the sub-chunk, so all
+        # factors lie in 2^[-50, 50] (no overflow, no flush for |x| in 2^[-76, 78]). Entries above the diagonal can
+        # be large (even inf) but are never read (anchored_store selects, never multiplies).
         for r, d in T.Parallel(2 * BC, DC):
+            QE0[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[r % BC, d], acc), bkc[r % BC, d]) * \
+                T.exp2(Gc[r % BC, d] - Gc[fast * 8, d])
             QE1[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[BC + r % BC, d], acc), bkc[BC + r % BC, d]) * \
-                T.exp2(Gc[BC + r % BC, d] - Gc[BC, d])
+                T.exp2(Gc[BC + r % BC, d] - Gc[BC + fast * 8, d])
             QE2[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[2 * BC + r % BC, d], acc),
-                                       bkc[2 * BC + r % BC, d]) * T.exp2(Gc[2 * BC + r % BC, d] - Gc[2 * BC, d])
+                                       bkc[2 * BC + r % BC, d]) * T.exp2(Gc[2 * BC + r % BC, d] - Gc[2 * BC + fast * 8, d])
             QE3[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[3 * BC + r % BC, d], acc),
-                                       bkc[3 * BC + r % BC, d]) * T.exp2(Gc[3 * BC + r % BC, d] - Gc[3 * BC, d])
+                                       bkc[3 * BC + r % BC, d]) * T.exp2(Gc[3 * BC + r % BC, d] - Gc[3 * BC + fast * 8, d])
         for s_, d in T.Parallel(C, DC):
-            Kc3[s_, d] = T.if_then_else(
-                s_ < 3 * BC, T.cast(kc[s_, d], acc) * T.exp2(T.min(Gc[3 * BC, d] - Gc[s_, d], 0.0)), 0.0)
+            Kc3[s_, d] = T.cast(kc[s_, d], acc) * T.if_then_else(
+                s_ < 3 * BC, T.exp2(T.min(Gc[3 * BC + fast * 8, d] - Gc[s_, d], 0.0)),
+                T.if_then_else(fast != 0, T.exp2(Gc[3 * BC + 8, d] - Gc[s_, d]), 0.0))
+            Kc2[s_, d] = T.cast(kc[s_, d], acc) * T.if_then_else(
+                s_ < 2 * BC, T.exp2(T.min(Gc[2 * BC + fast * 8, d] - Gc[s_, d], 0.0)),
+                T.if_then_else(fast != 0, T.if_then_else(s_ < 3 * BC, T.exp2(Gc[2 * BC + 8, d] - Gc[s_, d]), 0.0),
+                               0.0))
             if s_ < 2 * BC:
-                Kc2[s_, d] = T.cast(kc[s_, d], acc) * T.exp2(T.min(Gc[2 * BC, d] - Gc[s_, d], 0.0))
-                Kc1[s_, d] = T.if_then_else(
-                    s_ < BC, T.cast(kc[s_, d], acc) * T.exp2(T.min(Gc[BC, d] - Gc[s_, d], 0.0)), 0.0)
+                Kc1[s_, d] = T.cast(kc[s_, d], acc) * T.if_then_else(
+                    s_ < BC, T.exp2(T.min(Gc[BC + fast * 8, d] - Gc[s_, d], 0.0)),
+                    T.if_then_else(fast != 0, T.exp2(Gc[BC + 8, d] - Gc[s_, d]), 0.0))
+                Kc0[s_, d] = T.if_then_else(fast != 0, T.if_then_else(
+                    s_ < BC, T.cast(kc[s_, d], acc) * T.exp2(Gc[8, d] - Gc[s_, d]), 0.0), 0.0)
+        T.gemm(QE0, Kc0, Acc0, transpose_B=True)
         T.gemm(QE1, Kc1, Acc1, transpose_B=True)
         T.gemm(QE2, Kc2, Acc2, transpose_B=True)
         T.gemm(QE3, Kc3, Acc3, transpose_B=True)
 
     @T.macro
-    def offdiag_store(ib, Acc, Qk, Tm):
-        for r, c in T.Parallel(2 * BC, ib * BC):
+    def anchored_store(ib, Acc, Qk, Tm):
+        # columns < ib*BC: off-diagonal block; [ib*BC, ib*BC + BC): the diagonal block (lower / strictly lower)
+        for r, c in T.Parallel(2 * BC, (ib + 1) * BC):
             if r < BC:
-                Qk[ib * BC + r, c] = Acc[r, c]
+                Qk[ib * BC + r, c] = T.if_then_else(c - ib * BC <= r, Acc[r, c], 0.0)
             else:
-                Tm[ib * BC + r - BC, c] = Acc[r, c]
+                Tm[ib * BC + r - BC, c] = T.if_then_else(c - ib * BC < r - BC, Acc[r, c], 0.0)
 
     @T.prim_func
     def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"],
@@ -148,16 +169,16 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             hq = hv // grp
 
             # (buffers of one shape allocated together, in the order the shared-memory layout was measured with)
-            Gc, Ec = (T.alloc_shared((C, DC + PADF), acc) for _ in range(2))
+            Gc = T.alloc_shared((C, DC + PADF), acc)
             qc, kc = (T.alloc_shared((C, DC + PADB), dtype) for _ in range(2))
             bkc = T.alloc_shared((C, DC + PADF), acc)
             tot = T.alloc_shared((NSEG, DC), acc)
             nq, nk = (T.alloc_shared((C,), acc) for _ in range(2))
-            # Kc1 / Kc2 rows >= 16 are zero: 8 warps need a 32-wide product
-            QE1, QE2, QE3, Kc1, Kc2 = (T.alloc_shared((2 * BC, DC), acc) for _ in range(5))
-            Kc3 = T.alloc_shared((4 * BC, DC), acc)
-            Acc1, Acc2 = (T.alloc_fragment((2 * BC, 2 * BC), acc) for _ in range(2))
-            Acc3 = T.alloc_fragment((2 * BC, 4 * BC), acc)
+            # Kc0 rows >= 16 and Kc2 rows >= 48 are zero: 8 warps need 32- / 64-wide products
+            QE0, QE1, QE2, QE3, Kc0, Kc1 = (T.alloc_shared((2 * BC, DC), acc) for _ in range(6))
+            Kc2, Kc3 = (T.alloc_shared((4 * BC, DC), acc) for _ in range(2))
+            Acc0, Acc1 = (T.alloc_fragment((2 * BC, 2 * BC), acc) for _ in range(2))
+            Acc2, Acc3 = (T.alloc_fragment((2 * BC, 4 * BC), acc) for _ in range(2))
             Ebs = T.alloc_shared((C, K), dtype)
             Qk, Tm, Ds, Ns, N2s = (T.alloc_shared((C, C), acc) for _ in range(5))
             Nf = T.alloc_fragment((C, C), acc)
@@ -165,11 +186,14 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             Zs = T.alloc_shared((C, V), dtype)
             Yf = T.alloc_fragment((C, K), acc)
             Uf = T.alloc_fragment((C, V), acc)
-            kk, gm = (T.alloc_local((DC,), acc) for _ in range(2))
             aq, at = (T.alloc_local((RPG,), acc) for _ in range(2))
             xc = T.alloc_local((BC,), acc)
-            csum = T.alloc_var(acc)
+            csum, kkv, gmv = (T.alloc_var(acc) for _ in range(3))
+            fast = T.alloc_var("int32")
             lo, hi = (T.alloc_var("int32") for _ in range(2))
+            # block-uniform coordinates computed once (as expressions they were re-derived at every access)
+            bb, slot, valid = (T.alloc_var("int32") for _ in range(3))
+            t0 = T.alloc_var("int64")
 
             if varlen:
                 lo = 0
@@ -207,6 +231,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             nq[tx] = T.rsqrt(csum + L2NORM_EPS)
                         else:
                             nk[tx - C] = T.rsqrt(csum + L2NORM_EPS)
+                T.clear(Acc0)
                 T.clear(Acc1)
                 T.clear(Acc2)
                 T.clear(Acc3)
@@ -217,8 +242,6 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     # ---- load the channel slice (rows >= valid are zero) ----
                     for r, d in T.Parallel(C, DC):
                         Gc[r, d] = T.if_then_else(r < valid, T.cast(g[bb, t0 + r, hv, dc * DC + d], acc), 0.0) * LOG2E
-                        Ec[r, d] = T.exp2(T.if_then_else(
-                            r < valid, T.cast(g[bb, t0 + r, hv, dc * DC + d], acc), 0.0) * LOG2E)
                         if l2norm:
                             qc[r, d] = T.if_then_else(
                                 r < valid, T.cast(T.cast(q[bb, t0 + r, hq, dc * DC + d], acc) * nq[r], dtype),
@@ -257,40 +280,45 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                                 T.cast(kc[r, d], acc) * T.exp2(Gc[C - 1, d] - Gc[r, d]), dtype)
                     for d in T.Parallel(DC):
                         GAM[bb, slot, hv, dc * DC + d] = T.exp2(Gc[C - 1, d])
-                    # ---- off-diagonal blocks ----
-                    offdiag3(QE1, QE2, QE3, Kc1, Kc2, Kc3, Acc1, Acc2, Acc3, Gc, qc, kc, bkc)
-                    # ---- diagonal blocks: thread = (block, column s, group of RPG rows) ----
-                    if (tx % (BC * RG)) // BC * RPG + RPG - 1 >= tx % BC:
-                        for dd in T.unroll(DC):
-                            kk[dd] = T.cast(kc[(tx // (BC * RG)) * BC + tx % BC, dd], acc)
-                            gm[dd] = T.exp2(T.min(
-                                Gc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG, dd]
-                                - Gc[(tx // (BC * RG)) * BC + tx % BC, dd], 0.0))
-                        for i in T.unroll(RPG):
+                    # ---- fast path for this slice: every |G_r - G_(n+8)| <= DIAG_HALF_RANGE in every sub-chunk ----
+                    csum = 0.0
+                    if tx < NB * DC:
+                        for r in T.serial(BC):
+                            csum = T.max(csum, T.abs(Gc[(tx // DC) * BC + r, tx % DC]
+                                                     - Gc[(tx // DC) * BC + 8, tx % DC]))
+                    fast = 1 - T.syncthreads_or(T.if_then_else(csum > DIAG_HALF_RANGE, 1, 0) + force_exact)
+                    # ---- anchored TF32 products: off-diagonal blocks, and the diagonal blocks when fast ----
+                    anchored(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, Acc0, Acc1, Acc2, Acc3, Gc, qc, kc, bkc, fast)
+                    # ---- otherwise exact diagonal blocks: thread = (block, column s, group of rows) ----
+                    if fast == 0:
+                        if (tx % (BC * RG)) // BC * RPG + RPG - 1 >= tx % BC:
                             for dd in T.unroll(DC):
-                                if i > 0:
-                                    gm[dd] = T.if_then_else(
-                                        (tx % (BC * RG)) // BC * RPG + i <= tx % BC, 1.0,
-                                        gm[dd] * Ec[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, dd])
-                                aq[i] = aq[i] + T.cast(
-                                    qc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, dd],
-                                    acc) * (kk[dd] * gm[dd])
-                                at[i] = at[i] + bkc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i,
-                                                    dd] * (kk[dd] * gm[dd])
+                                kkv = T.cast(kc[(tx // (BC * RG)) * BC + tx % BC, dd], acc)
+                                for i in T.unroll(RPG):
+                                    gmv = kkv * T.exp2(T.min(
+                                        Gc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, dd]
+                                        - Gc[(tx // (BC * RG)) * BC + tx % BC, dd], 0.0))
+                                    aq[i] = aq[i] + T.cast(
+                                        qc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, dd], acc) * gmv
+                                    at[i] = at[i] + bkc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i,
+                                                        dd] * gmv
 
                 # ---- assemble Aqk and T ----
                 for r, c in T.Parallel(C, C):
                     if c // BC > r // BC:
                         Qk[r, c] = 0.0
                         Tm[r, c] = 0.0
-                offdiag_store(1, Acc1, Qk, Tm)
-                offdiag_store(2, Acc2, Qk, Tm)
-                offdiag_store(3, Acc3, Qk, Tm)
-                for i in T.unroll(RPG):
+                anchored_store(0, Acc0, Qk, Tm)
+                anchored_store(1, Acc1, Qk, Tm)
+                anchored_store(2, Acc2, Qk, Tm)
+                anchored_store(3, Acc3, Qk, Tm)
+                for i in T.unroll(RPG):  # exact diagonal-block sums of the slices that were not fast (else zero)
                     Qk[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, (tx // (BC * RG)) * BC + tx % BC] = \
-                        T.if_then_else((tx % (BC * RG)) // BC * RPG + i >= tx % BC, aq[i] * scale, 0.0)
+                        Qk[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, (tx // (BC * RG)) * BC + tx % BC] \
+                        + T.if_then_else((tx % (BC * RG)) // BC * RPG + i >= tx % BC, aq[i] * scale, 0.0)
                     Tm[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, (tx // (BC * RG)) * BC + tx % BC] = \
-                        T.if_then_else((tx % (BC * RG)) // BC * RPG + i > tx % BC, at[i], 0.0)
+                        Tm[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, (tx // (BC * RG)) * BC + tx % BC] \
+                        + T.if_then_else((tx % (BC * RG)) // BC * RPG + i > tx % BC, at[i], 0.0)
                 for r, c in T.Parallel(C, C):
                     if r < valid:
                         Aqk[bb, t0 + r, hv, c] = T.cast(Qk[r, c], dtype)
@@ -428,7 +456,7 @@ def _sizes_fn(varlen: bool):
 def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        block_v: int | None = None, stages: int = 2, intra_threads: int = 256,
-                       intra_min_blocks: int = 2) -> Pipeline:
+                       intra_min_blocks: int = 2, exact_diag: bool = False) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -438,8 +466,9 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     Scratch (input dtype unless noted): ``Aqk [B,T,HV,64]``, ``Y``, ``QG``, ``KG [B,T,HV,K]``, ``U [B,T,HV,V]``,
     ``GAM [B,NT,HV,K]`` fp32. Tuning knobs: ``block_v`` (V-block of the state kernel; default 16 for HV < 32,
     else 32), ``stages`` (its software-pipeline depth), ``intra_threads`` (threads of the intra-chunk kernel: 128 or
-    256) and ``intra_min_blocks`` (its blocks-per-SM hint, which caps registers). Raises ``ValueError`` for
-    unsupported configurations.
+    256), ``intra_min_blocks`` (its blocks-per-SM hint, which caps registers) and ``exact_diag`` (every diagonal
+    block summed exactly in fp32, never as TF32 products: the arithmetic before kernel v5, for comparisons).
+    Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_fwd_pipeline"
     registry.get("chunk_gdn2").support.check(fn, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale)
@@ -467,7 +496,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
 
     kw1 = dict(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale, varlen=bool(varlen),
                l2norm=bool(use_qk_l2norm))
-    kw1.update(threads=int(intra_threads), min_blocks=int(intra_min_blocks))
+    kw1.update(threads=int(intra_threads), min_blocks=int(intra_min_blocks), exact_diag=bool(exact_diag))
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),

@@ -281,8 +281,22 @@ def _bf16(a):
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
 
 
-def _gpu_inputs(seed, B, T, H, HV, K_, V_, l2):
-    """bf16 q, k, v, b, w and fp32 g (numpy), swept magnitudes: g per channel down to -60, b in [0, 2]."""
+def _gpu_gates(rng, shape, gdist):
+    """fp32 log-decays [B, T, HV, K]. ``swept``: per channel from G_LEVELS (down to -60; the intra kernel's exact
+    diagonal path); ``spec``: U(-5, -0.1) (spec §11; mostly its TF32 fast path); ``mixed``: U(-0.3, 0) with one
+    channel block of 32 strong (-60) in every other chunk, so fast and exact slices meet in one launch."""
+    if gdist == "swept":
+        return G_LEVELS[rng.choice(len(G_LEVELS), size=shape, p=G_PROBS)] * rng.uniform(0.5, 1.0, shape)
+    if gdist == "spec":
+        return rng.uniform(-5.0, -0.1, shape)
+    g = -rng.uniform(0.0, 0.3, shape)
+    strong = (np.arange(shape[1]) // 64) % 2 == 1
+    g[:, strong, :, 32:64] = -60.0 * rng.uniform(0.5, 1.0, g[:, strong, :, 32:64].shape)
+    return g
+
+
+def _gpu_inputs(seed, B, T, H, HV, K_, V_, l2, gdist="swept"):
+    """bf16 q, k, v, b, w and fp32 g (numpy, :func:`_gpu_gates`), b in [0, 2]."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, T, H, K_))
     k = rng.standard_normal((B, T, H, K_))
@@ -292,7 +306,7 @@ def _gpu_inputs(seed, B, T, H, HV, K_, V_, l2):
     else:
         q /= np.linalg.norm(q, axis=-1, keepdims=True)
         k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    g = G_LEVELS[rng.choice(len(G_LEVELS), size=(B, T, HV, K_), p=G_PROBS)] * rng.uniform(0.5, 1.0, (B, T, HV, K_))
+    g = _gpu_gates(rng, (B, T, HV, K_), gdist)
     g[..., :2] = 0.0
     return dict(q=_bf16(q), k=_bf16(k), v=_bf16(0.5 * rng.standard_normal((B, T, HV, V_))),
                 g=g.astype(np.float32), b=_bf16(rng.uniform(0.0, 2.0, (B, T, HV, K_))),
@@ -329,15 +343,16 @@ GPU_CASES = [  # B, T, H, HV, K, V, l2norm  (T not a multiple of 64; GVA HV = 2H
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("gdist", ["swept", "spec", "mixed"])
 @pytest.mark.parametrize("B,T,H,HV,K_,V_,l2", GPU_CASES)
-def test_gpu_intra_launch_and_state_launch_vs_xla_twins(B, T, H, HV, K_, V_, l2):
+def test_gpu_intra_launch_and_state_launch_vs_xla_twins(B, T, H, HV, K_, V_, l2, gdist):
     import torch
 
     from gdn2_jax import xla
     from gdn2_jax.xla import layout
     from kernels import _compile, registry, torch_api
 
-    x = _gpu_inputs(100 + T + K_, B, T, H, HV, K_, V_, l2)
+    x = _gpu_inputs(100 + T + K_, B, T, H, HV, K_, V_, l2, gdist)
     scale = K_ ** -0.5
     cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=scale,
                           use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=l2)
@@ -397,3 +412,35 @@ def test_gpu_intra_launch_and_state_launch_vs_xla_twins(B, T, H, HV, K_, V_, l2)
         ht_ref = np.asarray(S)
     r_o, r_h = _gpu_rms(_np(bufs["o"]), o_ref), _gpu_rms(_np(bufs["ht"]), ht_ref)
     assert r_o <= 5e-3 and r_h <= 5e-3, (r_o, r_h)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gdist", ["spec", "mixed", "swept"])
+def test_gpu_intra_fast_diagonal_path_matches_exact_path(gdist):
+    """Launch 1 with TF32 diagonal blocks where the decay range allows (the default) against the same launch with
+    every diagonal block summed exactly in fp32 (``exact_diag=True``), on identical inputs: the scratch agrees to
+    TF32 precision (identical where every slice took the exact path), and two runs of each are bit-identical."""
+    import torch
+
+    from kernels import registry, torch_api
+
+    B, T, H, HV, K_, V_ = 2, 300, 2, 4, 128, 128
+    x = _gpu_inputs(7, B, T, H, HV, K_, V_, False, gdist)
+    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
+                          use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    t = {n: _torch(a) for n, a in x.items()}
+    runs = {}
+    for exact in (False, True):
+        pipe = registry.get("chunk_gdn2").pipeline(**cfg, exact_diag=exact)
+        r1 = torch_api.run_pipeline(pipe, t, return_scratch=True)
+        r2 = torch_api.run_pipeline(pipe, t, return_scratch=True)
+        torch.cuda.synchronize()
+        for n in ("Aqk", "Y", "U", "o", "ht"):
+            assert torch.equal(r1[n], r2[n]), (exact, n)
+        runs[exact] = {n: _np(r1[n]) for n in ("Aqk", "Y", "U", "o", "ht")}
+    for n, ref in runs[True].items():
+        r = _gpu_rms(runs[False][n], ref)
+        if gdist == "swept":  # every slice has a -60 channel: both runs take the exact path
+            assert r == 0.0, (n, r)
+        else:
+            assert 0.0 < r <= 2e-3 if n in ("Aqk", "Y", "U") else r <= 2e-3, (n, r)
