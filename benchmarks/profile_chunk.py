@@ -4,11 +4,13 @@ its launches over the benchmark grid.
     ncu --clock-control none --kernel-name main_kernel --launch-skip 2 --launch-count 2 \\
         --section SpeedOfLight --section Occupancy ... python -m benchmarks.profile_chunk --B 4 --T 4096 --H 32
     python -m benchmarks.profile_chunk --time [--variants default,exact_diag,bv64]
+    python -m benchmarks.profile_chunk --accuracy [--variants default,exact_diag,exact_self]
 
 Profiling: two warm-up calls, then two profiled launches: the intra-chunk kernel and the state/output kernel
 (TileLang names every kernel ``main_kernel``). ``--time``: do_bench medians (ms) of each launch of each kernel
 variant (``default``; ``exact_diag``: every diagonal block of the intra kernel summed exactly in fp32, the
-pre-v5 arithmetic; ``bv64``: state kernel with V-blocks of 64) on the prefill grid, and FLA 0.6.0's
+pre-v5 arithmetic; ``bv64``: state kernel with V-blocks of 64; ``exact_self``: the diagonal of Aqk in fp32) on
+the prefill grid, and FLA 0.6.0's
 ``chunk_gdn2`` in the same process; one JSON line per shape (``PROFILE {...}``). Inputs follow spec §15 (bf16,
 fp32 g, D = 128). Needs a GPU.
 """
@@ -19,7 +21,37 @@ import argparse
 import json
 
 GRID = ((1, 4096, 16), (1, 16384, 16), (4, 4096, 32), (8, 2048, 32), (1, 32768, 32), (16, 1024, 32))
-VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v": 64}}
+VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v": 64},
+            "exact_self": {"exact_self": True}}
+
+
+def accuracy(variants, seeds=(123, 1, 2, 3), shape=(1, 512, 4)):
+    """RMS ratio vs the fp64 token loop of o and the final state for each kernel variant and FLA, on the
+    benchmark's accuracy inputs (spec §15 accuracy distribution, g ~ U(-5, -0.1); seed 123 is bench.py's)."""
+    from benchmarks import bench_lib as L
+    from kernels import registry, torch_api
+
+    B, T, H = shape
+    for seed in seeds:
+        x = L.torch_inputs(B, T, H, H, seed=seed, g_scale=1.0)
+        a = [x[n] for n in ("q", "k", "v", "g", "b", "w")]
+        ref_o, ref_s = L.oracle_np(*(L.tnp(t) for t in a), L.tnp(x["h0"]), 128 ** -0.5)
+        row = {"seed": seed, "B": B, "T": T, "H": H}
+        for name in variants:
+            cfg = registry.config(H=H, HV=H, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+                                  use_initial_state=True, output_final_state=True, varlen=False,
+                                  use_qk_l2norm=False, **VARIANTS[name])
+            r = torch_api.run_pipeline(registry.get("chunk_gdn2").pipeline(**cfg), {**dict(zip(
+                ("q", "k", "v", "g", "b", "w"), a)), "h0": x["h0"]})
+            row[f"{name}:o"], row[f"{name}:ht"] = L.rms(L.tnp(r["o"]), ref_o), L.rms(L.tnp(r["ht"]), ref_s)
+        try:
+            from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
+
+            o, s = fla_chunk(*a, initial_state=x["h0"], output_final_state=True)
+            row["fla:o"], row["fla:ht"] = L.rms(L.tnp(o), ref_o), L.rms(L.tnp(s), ref_s)
+        except Exception as e:  # pragma: no cover
+            row["fla_error"] = repr(e)[:200]
+        print("ACCURACY " + json.dumps(row), flush=True)
 
 
 def time_grid(variants, shapes=GRID):
@@ -65,7 +97,11 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--variants", default="default,exact_diag,bv64")
+    ap.add_argument("--accuracy", action="store_true")
     a = ap.parse_args(argv)
+    if a.accuracy:
+        accuracy(a.variants.split(","))
+        return
     if a.time:
         time_grid(a.variants.split(","))
         return

@@ -81,8 +81,11 @@ if has ncu; then
 fi
 if has ptime; then
   step ptime
-  timeout ${T_BUILD:-240} python -m kernels.build --preset profile -j 8 2>&1 | quiet | grep "kernels for" | tee -a "$LOG"
-  timeout ${T_PTIME:-240} python -m benchmarks.profile_chunk --time 2>&1 | quiet | grep "PROFILE\|Error" | tee -a "$LOG"
+  timeout ${T_BUILD:-240} python -m kernels.build --preset profile -j 15 2>&1 | quiet | grep "kernels for" | tee -a "$LOG"
+  timeout ${T_PTIME:-240} python -m benchmarks.profile_chunk --accuracy --variants ${ACC_VARIANTS:-default,exact_diag,exact_self} \
+      2>&1 | quiet | grep "ACCURACY\|Error" | tee -a "$LOG"
+  timeout ${T_PTIME:-240} python -m benchmarks.profile_chunk --time --variants ${PTIME_VARIANTS:-default,exact_diag,bv64} 2>&1 \
+      | quiet | grep "PROFILE\|Error" | tee -a "$LOG"
 fi
 if has ncusrc; then
   step ncusrc

@@ -51,6 +51,8 @@ def preset(name: str) -> list[dict]:
              for m in pool_modes]
     # benchmarks/profile_chunk.py --time: the chunk kernel variants it compares with the default on the grid
     profile = [dict(cfg(h, h, 128), **opt) for h in (16, 32) for opt in (dict(exact_diag=True), dict(block_v=64))]
+    profile += [dict(cfg(h, h, 128), **opt) for h in (4, 16, 32) for opt in ({}, dict(exact_self=True))]
+    profile += [dict(cfg(4, 4, 128), exact_diag=True)]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,
              "all": serving + pools + bench + tests + layers, "sweep": _sweep(), "profile": profile}
     if name not in table:

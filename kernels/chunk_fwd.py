@@ -79,7 +79,8 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # ----------------------------------------------------------------------------------------------------------------
 # launch 1: intra-chunk (cumsum, Aqk, T, solve, WY auxiliaries)
 # ----------------------------------------------------------------------------------------------------------------
-def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag):
+def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
+                exact_self=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (about 83 KB for K = V = 128) and
@@ -189,6 +190,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             aq, at = (T.alloc_local((RPG,), acc) for _ in range(2))
             xc = T.alloc_local((BC,), acc)
             csum, kkv, gmv = (T.alloc_var(acc) for _ in range(3))
+            if exact_self:
+                sdot = T.alloc_var(acc)
             fast = T.alloc_var("int32")
             lo, hi = (T.alloc_var("int32") for _ in range(2))
             # block-uniform coordinates computed once (as expressions they were re-derived at every access)
@@ -231,6 +234,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             nq[tx] = T.rsqrt(csum + L2NORM_EPS)
                         else:
                             nk[tx - C] = T.rsqrt(csum + L2NORM_EPS)
+                if exact_self:
+                    sdot = 0.0
                 T.clear(Acc0)
                 T.clear(Acc1)
                 T.clear(Acc2)
@@ -287,6 +292,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             csum = T.max(csum, T.abs(Gc[(tx // DC) * BC + r, tx % DC]
                                                      - Gc[(tx // DC) * BC + 8, tx % DC]))
                     fast = 1 - T.syncthreads_or(T.if_then_else(csum > DIAG_HALF_RANGE, 1, 0) + force_exact)
+                    if exact_self:  # q_r . k_r of the slice in fp32 (the undecayed self term; thread = row)
+                        if tx < C:
+                            for dd in T.unroll(DC):
+                                sdot = sdot + T.cast(qc[tx, dd], acc) * T.cast(kc[tx, dd], acc)
                     # ---- anchored TF32 products: off-diagonal blocks, and the diagonal blocks when fast ----
                     anchored(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, Acc0, Acc1, Acc2, Acc3, Gc, qc, kc, bkc, fast)
                     # ---- otherwise exact diagonal blocks: thread = (block, column s, group of rows) ----
@@ -319,6 +328,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     Tm[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, (tx // (BC * RG)) * BC + tx % BC] = \
                         Tm[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, (tx // (BC * RG)) * BC + tx % BC] \
                         + T.if_then_else((tx % (BC * RG)) // BC * RPG + i > tx % BC, at[i], 0.0)
+                if exact_self:  # the diagonal of Aqk from the exact fp32 self terms (replaces the TF32 / SIMT value)
+                    T.sync_threads()
+                    if tx < C:
+                        Qk[tx, tx] = sdot * scale
                 for r, c in T.Parallel(C, C):
                     if r < valid:
                         Aqk[bb, t0 + r, hv, c] = T.cast(Qk[r, c], dtype)
@@ -456,7 +469,7 @@ def _sizes_fn(varlen: bool):
 def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        block_v: int | None = None, stages: int = 2, intra_threads: int = 256,
-                       intra_min_blocks: int = 2, exact_diag: bool = False) -> Pipeline:
+                       intra_min_blocks: int = 2, exact_diag: bool = False, exact_self: bool = False) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -467,7 +480,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``GAM [B,NT,HV,K]`` fp32. Tuning knobs: ``block_v`` (V-block of the state kernel; default 16 for HV < 32,
     else 32), ``stages`` (its software-pipeline depth), ``intra_threads`` (threads of the intra-chunk kernel: 128 or
     256), ``intra_min_blocks`` (its blocks-per-SM hint, which caps registers) and ``exact_diag`` (every diagonal
-    block summed exactly in fp32, never as TF32 products: the arithmetic before kernel v5, for comparisons).
+    block summed exactly in fp32, never as TF32 products: the arithmetic before kernel v5, for comparisons) and
+    ``exact_self`` (experimental: the diagonal of Aqk, the undecayed self terms q_r . k_r, summed in fp32).
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_fwd_pipeline"
@@ -497,6 +511,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     kw1 = dict(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale, varlen=bool(varlen),
                l2norm=bool(use_qk_l2norm))
     kw1.update(threads=int(intra_threads), min_blocks=int(intra_min_blocks), exact_diag=bool(exact_diag))
+    if exact_self:  # (absent from the key when off: the default kernel's key and code stay as measured)
+        kw1.update(exact_self=True)
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),
