@@ -9,8 +9,9 @@ its launches over the benchmark grid.
 Profiling: two warm-up calls, then two profiled launches: the intra-chunk kernel and the state/output kernel
 (TileLang names every kernel ``main_kernel``). ``--time``: do_bench medians (ms) of each launch of each kernel
 variant (``default``; ``exact_diag``: every diagonal block of the intra kernel summed exactly in fp32, the
-pre-v5 arithmetic; ``bv64``: state kernel with V-blocks of 64; ``exact_self``: the diagonal of Aqk in fp32) on
-the prefill grid, and FLA 0.6.0's
+pre-v5 arithmetic; ``bv64``: state kernel with V-blocks of 64; ``exact_self``: the diagonal of Aqk in fp32;
+``tf32_round``: TF32 operands rounded to nearest; ``aqk_split``: Aqk as bf16 + residual; ``precise``: the last
+three together) on the prefill grid, and FLA 0.6.0's
 ``chunk_gdn2`` in the same process; one JSON line per shape (``PROFILE {...}``). Inputs follow spec §15 (bf16,
 fp32 g, D = 128). Needs a GPU.
 """
@@ -22,7 +23,8 @@ import json
 
 GRID = ((1, 4096, 16), (1, 16384, 16), (4, 4096, 32), (8, 2048, 32), (1, 32768, 32), (16, 1024, 32))
 VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v": 64},
-            "exact_self": {"exact_self": True}}
+            "exact_self": {"exact_self": True}, "tf32_round": {"tf32_round": True}, "aqk_split": {"aqk_split": True},
+            "precise": {"tf32_round": True, "exact_self": True, "aqk_split": True}}
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3), shape=(1, 512, 4)):

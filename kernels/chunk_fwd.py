@@ -70,7 +70,8 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
         q=T.Tensor((B, Tn, H, K), dtype), k=T.Tensor((B, Tn, H, K), dtype), v=T.Tensor((B, Tn, HV, V), dtype),
         g=T.Tensor((B, Tn, HV, K), g_dtype), b=T.Tensor((B, Tn, HV, K), dtype), w=T.Tensor((B, Tn, HV, V), dtype),
         h0=T.Tensor((N, HV, K, V), f32), cu_seqlens=T.Tensor((NP1,), "int32"),
-        Aqk=T.Tensor((B, Tn, HV, C), dtype), Y=T.Tensor((B, Tn, HV, K), dtype), U=T.Tensor((B, Tn, HV, V), dtype),
+        Aqk=T.Tensor((B, Tn, HV, C), dtype), AqkL=T.Tensor((B, Tn, HV, C), dtype),
+        Y=T.Tensor((B, Tn, HV, K), dtype), U=T.Tensor((B, Tn, HV, V), dtype),
         QG=T.Tensor((B, Tn, HV, K), dtype), KG=T.Tensor((B, Tn, HV, K), dtype), GAM=T.Tensor((B, NT, HV, K), f32),
         o=T.Tensor((B, Tn, HV, V), dtype), ht=T.Tensor((N, HV, K, V), f32),
     )
@@ -81,7 +82,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # launch 1: intra-chunk (cumsum, Aqk, T, solve, WY auxiliaries)
 # ----------------------------------------------------------------------------------------------------------------
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
-                exact_self=False):
+                exact_self=False, tf32_round=False, aqk_split=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (about 83 KB for K = V = 128) and
@@ -112,6 +113,14 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     scale = float(scale)
     force_exact = 1 if exact_diag else 0
 
+    def tfr(x):
+        # TF32 operands: mma.sync drops the low 13 mantissa bits of raw fp32 (truncation, biased towards zero);
+        # with ``tf32_round`` they are rounded to nearest first (add half a TF32 ulp, then clear those bits)
+        if not tf32_round:
+            return x
+        return T.reinterpret(T.bitwise_and(T.reinterpret(x, "uint32") + T.uint32(0x1000), T.uint32(0xFFFFE000)),
+                             "float32")
+
     sig, dims = _signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, varlen=varlen)
     B, Tn, NT, NP1 = dims["B"], dims["T"], dims["NT"], dims["NP1"]
 
@@ -124,28 +133,30 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
         # factors lie in 2^[-50, 50] (no overflow, no flush for |x| in 2^[-76, 78]). Entries above the diagonal can
         # be large (even inf) but are never read (anchored_store selects, never multiplies).
         for r, d in T.Parallel(2 * BC, DC):
-            QE0[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[r % BC, d], acc), bkc[r % BC, d]) * \
-                T.exp2(Gc[r % BC, d] - Gc[fast * 8, d])
-            QE1[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[BC + r % BC, d], acc), bkc[BC + r % BC, d]) * \
-                T.exp2(Gc[BC + r % BC, d] - Gc[BC + fast * 8, d])
-            QE2[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[2 * BC + r % BC, d], acc),
-                                       bkc[2 * BC + r % BC, d]) * T.exp2(Gc[2 * BC + r % BC, d] - Gc[2 * BC + fast * 8, d])
-            QE3[r, d] = T.if_then_else(r < BC, scale * T.cast(qc[3 * BC + r % BC, d], acc),
-                                       bkc[3 * BC + r % BC, d]) * T.exp2(Gc[3 * BC + r % BC, d] - Gc[3 * BC + fast * 8, d])
+            QE0[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qc[r % BC, d], acc), bkc[r % BC, d])
+                            * T.exp2(Gc[r % BC, d] - Gc[fast * 8, d]))
+            QE1[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qc[BC + r % BC, d], acc), bkc[BC + r % BC, d])
+                            * T.exp2(Gc[BC + r % BC, d] - Gc[BC + fast * 8, d]))
+            QE2[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qc[2 * BC + r % BC, d], acc),
+                                           bkc[2 * BC + r % BC, d])
+                            * T.exp2(Gc[2 * BC + r % BC, d] - Gc[2 * BC + fast * 8, d]))
+            QE3[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qc[3 * BC + r % BC, d], acc),
+                                           bkc[3 * BC + r % BC, d])
+                            * T.exp2(Gc[3 * BC + r % BC, d] - Gc[3 * BC + fast * 8, d]))
         for s_, d in T.Parallel(C, DC):
-            Kc3[s_, d] = T.cast(kc[s_, d], acc) * T.if_then_else(
+            Kc3[s_, d] = tfr(T.cast(kc[s_, d], acc) * T.if_then_else(
                 s_ < 3 * BC, T.exp2(T.min(Gc[3 * BC + fast * 8, d] - Gc[s_, d], 0.0)),
-                T.if_then_else(fast != 0, T.exp2(Gc[3 * BC + 8, d] - Gc[s_, d]), 0.0))
-            Kc2[s_, d] = T.cast(kc[s_, d], acc) * T.if_then_else(
+                T.if_then_else(fast != 0, T.exp2(Gc[3 * BC + 8, d] - Gc[s_, d]), 0.0)))
+            Kc2[s_, d] = tfr(T.cast(kc[s_, d], acc) * T.if_then_else(
                 s_ < 2 * BC, T.exp2(T.min(Gc[2 * BC + fast * 8, d] - Gc[s_, d], 0.0)),
                 T.if_then_else(fast != 0, T.if_then_else(s_ < 3 * BC, T.exp2(Gc[2 * BC + 8, d] - Gc[s_, d]), 0.0),
-                               0.0))
+                               0.0)))
             if s_ < 2 * BC:
-                Kc1[s_, d] = T.cast(kc[s_, d], acc) * T.if_then_else(
+                Kc1[s_, d] = tfr(T.cast(kc[s_, d], acc) * T.if_then_else(
                     s_ < BC, T.exp2(T.min(Gc[BC + fast * 8, d] - Gc[s_, d], 0.0)),
-                    T.if_then_else(fast != 0, T.exp2(Gc[BC + 8, d] - Gc[s_, d]), 0.0))
-                Kc0[s_, d] = T.if_then_else(fast != 0, T.if_then_else(
-                    s_ < BC, T.cast(kc[s_, d], acc) * T.exp2(Gc[8, d] - Gc[s_, d]), 0.0), 0.0)
+                    T.if_then_else(fast != 0, T.exp2(Gc[BC + 8, d] - Gc[s_, d]), 0.0)))
+                Kc0[s_, d] = tfr(T.if_then_else(fast != 0, T.if_then_else(
+                    s_ < BC, T.cast(kc[s_, d], acc) * T.exp2(Gc[8, d] - Gc[s_, d]), 0.0), 0.0))
         T.gemm(QE0, Kc0, Acc0, transpose_B=True)
         T.gemm(QE1, Kc1, Acc1, transpose_B=True)
         T.gemm(QE2, Kc2, Acc2, transpose_B=True)
@@ -162,8 +173,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
 
     @T.prim_func
     def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"],
-             cu_seqlens: sig["cu_seqlens"], Aqk: sig["Aqk"], Y: sig["Y"], U: sig["U"], QG: sig["QG"], KG: sig["KG"],
-             GAM: sig["GAM"]):
+             cu_seqlens: sig["cu_seqlens"], Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], U: sig["U"],
+             QG: sig["QG"], KG: sig["KG"], GAM: sig["GAM"]):
         with T.Kernel(NT * B, HV, threads=TH) as (bx, hv):
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
@@ -336,6 +347,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                 for r, c in T.Parallel(C, C):
                     if r < valid:
                         Aqk[bb, t0 + r, hv, c] = T.cast(Qk[r, c], dtype)
+                        if aqk_split:  # the rounding residual, so that Aqk + AqkL carries 16 mantissa bits
+                            AqkL[bb, t0 + r, hv, c] = T.cast(Qk[r, c] - T.cast(T.cast(Qk[r, c], dtype), acc), dtype)
 
                 # ---- (I + T)^-1 ----
                 if tx < C:
@@ -345,16 +358,24 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             if j < i:
                                 xc[i] = xc[i] - Tm[(tx // BC) * BC + i, (tx // BC) * BC + j] * xc[j]
                     for r in T.unroll(C):
-                        Ds[r, tx] = T.if_then_else(r // BC == tx // BC, xc[r % BC], 0.0)
+                        Ds[r, tx] = tfr(T.if_then_else(r // BC == tx // BC, xc[r % BC], 0.0))
                 for r, c in T.Parallel(C, C):
-                    Tm[r, c] = T.if_then_else(c // BC < r // BC, Tm[r, c], 0.0)
+                    Tm[r, c] = tfr(T.if_then_else(c // BC < r // BC, Tm[r, c], 0.0))
                 T.gemm(Ds, Tm, Nf, clear_accum=True)
-                T.copy(Nf, Ns)
+                if tf32_round:
+                    for r, c in T.Parallel(C, C):
+                        Ns[r, c] = tfr(Nf[r, c])
+                else:
+                    T.copy(Nf, Ns)
                 T.gemm(Ns, Ns, Nf, clear_accum=True)
-                T.copy(Nf, N2s)
+                if tf32_round:
+                    for r, c in T.Parallel(C, C):
+                        N2s[r, c] = tfr(Nf[r, c])
+                else:
+                    T.copy(Nf, N2s)
                 T.gemm(Ns, N2s, Nf, clear_accum=True)
                 for r, c in T.Parallel(C, C):
-                    N2s[r, c] = T.if_then_else(r == c, 1.0, 0.0) - Ns[r, c] + N2s[r, c] - Nf[r, c]
+                    N2s[r, c] = tfr(T.if_then_else(r == c, 1.0, 0.0) - Ns[r, c] + N2s[r, c] - Nf[r, c])
                 T.gemm(N2s, Ds, Nf, clear_accum=True)
                 T.copy(Nf, As)
 
@@ -372,13 +393,14 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                         U[bb, t0 + r, hv, e] = T.cast(Uf[r, e], dtype)
 
     keep = {"q", "k", "v", "g", "b", "w", "Aqk", "Y", "U", "QG", "KG", "GAM"} | ({"cu_seqlens"} if varlen else set())
+    keep |= {"AqkL"} if aqk_split else set()
     return drop_params(main, keep)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # launch 2: sequential state passing + output
 # ----------------------------------------------------------------------------------------------------------------
-def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages):
+def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_split=False):
     import tilelang.language as T
 
     C = CHUNK
@@ -392,14 +414,16 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages):
     NSEQ = NP1 - 1 if varlen else B
 
     @T.prim_func
-    def main(Aqk: sig["Aqk"], Y: sig["Y"], U: sig["U"], QG: sig["QG"], KG: sig["KG"], GAM: sig["GAM"],
-             h0: sig["h0"], cu_seqlens: sig["cu_seqlens"], o: sig["o"], ht: sig["ht"]):
+    def main(Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], U: sig["U"], QG: sig["QG"], KG: sig["KG"],
+             GAM: sig["GAM"], h0: sig["h0"], cu_seqlens: sig["cu_seqlens"], o: sig["o"], ht: sig["ht"]):
         with T.Kernel(NSEQ * NVB, HV, threads=threads) as (bx, hv):
             n = bx // NVB
             v0 = (bx % NVB) * BV
             S = T.alloc_fragment((K, BV), acc)
             Ys, Qs, Ks = (T.alloc_shared((C, K), dtype) for _ in range(3))
             As = T.alloc_shared((C, C), dtype)
+            if aqk_split:
+                AsL = T.alloc_shared((C, C), dtype)
             Us = T.alloc_shared((C, BV), dtype)
             gs = T.alloc_shared((K,), acc)
             Sb = T.alloc_shared((K, BV), dtype)
@@ -428,6 +452,8 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages):
                 T.copy(QG[bb, bos + j * C:bos + j * C + C, hv, :], Qs)
                 T.copy(KG[bb, bos + j * C:bos + j * C + C, hv, :], Ks)
                 T.copy(Aqk[bb, bos + j * C:bos + j * C + C, hv, :], As)
+                if aqk_split:
+                    T.copy(AqkL[bb, bos + j * C:bos + j * C + C, hv, :], AsL)
                 T.copy(U[bb, bos + j * C:bos + j * C + C, hv, v0:v0 + BV], Us)
                 T.copy(GAM[bb, sbase + j, hv, :], gs)
                 T.copy(S, Sb)
@@ -437,6 +463,8 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages):
                     Rb[r, e] = T.if_then_else(j * C + r < ln, T.cast(T.cast(Us[r, e], acc) - Rf[r, e], dtype),
                                               T.cast(0, dtype))
                 T.gemm(As, Rb, Of)
+                if aqk_split:
+                    T.gemm(AsL, Rb, Of)
                 for i, e in T.Parallel(K, BV):
                     S[i, e] = S[i, e] * gs[i]
                 T.gemm(Ks, Rb, S, transpose_A=True)
@@ -448,7 +476,7 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages):
                 for i, e in T.Parallel(K, BV):
                     ht[n, hv, i, v0 + e] = S[i, e]
 
-    keep = {"Aqk", "Y", "U", "QG", "KG", "GAM", "o"}
+    keep = {"Aqk", "Y", "U", "QG", "KG", "GAM", "o"} | ({"AqkL"} if aqk_split else set())
     keep |= {"h0"} if use_h0 else set()
     keep |= {"ht"} if store_ht else set()
     keep |= {"cu_seqlens"} if varlen else set()
@@ -470,7 +498,8 @@ def _sizes_fn(varlen: bool):
 def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        block_v: int | None = None, stages: int = 2, intra_threads: int = 256,
-                       intra_min_blocks: int = 2, exact_diag: bool = False, exact_self: bool = False) -> Pipeline:
+                       intra_min_blocks: int = 2, exact_diag: bool = False, exact_self: bool = False,
+                       tf32_round: bool = False, aqk_split: bool = False) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -482,7 +511,10 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     else 32), ``stages`` (its software-pipeline depth), ``intra_threads`` (threads of the intra-chunk kernel: 128 or
     256), ``intra_min_blocks`` (its blocks-per-SM hint, which caps registers) and ``exact_diag`` (every diagonal
     block summed exactly in fp32, never as TF32 products: the arithmetic before kernel v5, for comparisons) and
-    ``exact_self`` (experimental: the diagonal of Aqk, the undecayed self terms q_r . k_r, summed in fp32).
+    ``exact_self`` (experimental: the diagonal of Aqk, the undecayed self terms q_r . k_r, summed in fp32) and
+    ``tf32_round`` (experimental: TF32 operands rounded to nearest instead of truncated by the tensor core) and
+    ``aqk_split`` (experimental: Aqk stored as bf16 + its bf16 rounding residual ``AqkL``, a second scratch buffer,
+    and used as two products in launch 2).
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_fwd_pipeline"
@@ -499,6 +531,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         ("cu_seqlens",) if varlen else ())
     scratch = (
         Buf("Aqk", ("B", "T", HV, CHUNK), dtype),
+    ) + ((Buf("AqkL", ("B", "T", HV, CHUNK), dtype),) if aqk_split else ()) + (
         Buf("Y", ("B", "T", HV, K), dtype),
         Buf("U", ("B", "T", HV, V), dtype),
         Buf("QG", ("B", "T", HV, K), dtype),
@@ -507,13 +540,14 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     )
     outputs = (Buf("o", ("B", "T", HV, V), dtype),) + (
         (Buf("ht", ("N", HV, K, V), "float32"),) if output_final_state else ())
-    sc = ("Aqk", "Y", "U", "QG", "KG", "GAM")
+    sc = ("Aqk",) + (("AqkL",) if aqk_split else ()) + ("Y", "U", "QG", "KG", "GAM")
 
     kw1 = dict(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale, varlen=bool(varlen),
                l2norm=bool(use_qk_l2norm))
     kw1.update(threads=int(intra_threads), min_blocks=int(intra_min_blocks), exact_diag=bool(exact_diag))
-    if exact_self:  # (absent from the key when off: the default kernel's key and code stay as measured)
-        kw1.update(exact_self=True)
+    # (experimental options enter the key only when on: the default kernel's key and code stay as measured)
+    kw1.update({n: True for n, on in (("exact_self", exact_self), ("tf32_round", tf32_round),
+                                      ("aqk_split", aqk_split)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),
@@ -522,6 +556,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     )
     kw2 = dict(HV=HV, K=K, V=V, BV=BV, dtype=dtype, use_h0=bool(use_initial_state),
                store_ht=bool(output_final_state), varlen=bool(varlen), stages=int(stages))
+    if aqk_split:
+        kw2.update(aqk_split=True)
     state = Launch(
         name="gdn2_chunk_state_o",
         key=("gdn2_chunk_state_o", _VERSION) + tuple(sorted(kw2.items())),

@@ -444,3 +444,31 @@ def test_gpu_intra_fast_diagonal_path_matches_exact_path(gdist):
             assert r == 0.0, (n, r)
         else:
             assert 0.0 < r <= 2e-3 if n in ("Aqk", "Y", "U") else r <= 2e-3, (n, r)
+
+
+@pytest.mark.cuda
+def test_gpu_intra_aqk_split_residual_vs_twin():
+    """With ``aqk_split`` launch 1 also stores Aqk's bf16 rounding residual (``AqkL``): Aqk itself is unchanged
+    (bit-identical to the default launch), and Aqk + AqkL is closer to the xla twin's fp32 scores than Aqk alone."""
+    import torch
+
+    from gdn2_jax import xla
+    from kernels import registry, torch_api
+
+    B, T, H, HV, K_, V_ = 1, 200, 2, 4, 128, 128
+    x = _gpu_inputs(11, B, T, H, HV, K_, V_, False, "spec")
+    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
+                          use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    t = {n: _torch(a) for n, a in x.items()}
+    base = torch_api.run_pipeline(registry.get("chunk_gdn2").pipeline(**cfg), t, return_scratch=True)
+    split = torch_api.run_pipeline(registry.get("chunk_gdn2").pipeline(**cfg, aqk_split=True), t,
+                                   return_scratch=True)
+    torch.cuda.synchronize()
+    assert torch.equal(base["Aqk"], split["Aqk"])
+    with jax.default_device(jax.devices("cpu")[0]):
+        twin = np.asarray(xla.intra_stage(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "b", "w")),
+                                          scale=K_ ** -0.5)["Aqk"])
+    hi = _np(split["Aqk"]).astype(np.float64)
+    r_hi = _gpu_rms(hi, twin)
+    r_sum = _gpu_rms(hi + _np(split["AqkL"]), twin)
+    assert r_sum < 0.7 * r_hi, (r_sum, r_hi)

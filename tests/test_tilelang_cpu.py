@@ -304,6 +304,10 @@ def _kernels_to_build():
         out.append((f"chunk-varlen{varlen}", registry.get("chunk_gdn2").pipeline(
             H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
             use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=varlen)))
+    out.append(("chunk-precision-options", registry.get("chunk_gdn2").pipeline(  # experimental, off by default
+        H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5, use_initial_state=True,
+        output_final_state=True, varlen=True, use_qk_l2norm=False, tf32_round=True, exact_self=True,
+        aqk_split=True)))
     return out
 
 
