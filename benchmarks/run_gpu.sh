@@ -58,7 +58,7 @@ if has decode; then
   timeout ${T_DECODE:-150} python -m benchmarks.decode_paths --torch-first --trace "$OUT" 2>&1 | quiet \
       | tee -a "$LOG" | grep "DECODE\|TORCH\|==\|span"
   step decode-graph; mkdir -p "$OUT/g"
-  GDN2_JAX_CUDA_GRAPH=1 XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1 --xla_dump_to=$OUT/g/xla --xla_dump_hlo_module_re=.*scan.*" \
+  GDN2_JAX_CUDA_GRAPH=1 XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION,DYNAMIC_SLICE_COPY_FUSION --xla_gpu_graph_min_graph_size=1 --xla_dump_to=$OUT/g/xla --xla_dump_hlo_module_re=.*scan.*" \
     timeout ${T_GRAPH:-120} python -m benchmarks.decode_paths --graph --B 1,16,128 --trace "$OUT/g" 2>&1 | quiet | tee -a "$LOG" \
     | grep "DECODE\|Error\|error\|==\|span" | tail -12
 fi
@@ -100,6 +100,10 @@ if [[ -n "${PARITY_PID:-}" ]]; then  # (it ran alongside every step above: their
   wait $PARITY_PID; step parity-in-parallel; quiet < "$OUT/parity.part" | tee -a "$LOG" | tail -12
   rm -f "$OUT/parity.part"
 fi
+# the run machine returns only a few files per call: pack the decode traces / XLA dumps into one
+( cd "$OUT" && ls -d g trace_*.json scan_hlo*.txt trace_summary.txt >/dev/null 2>&1 \
+    && tar -czf diag.tgz $(ls -d g trace_*.json scan_hlo*.txt trace_summary.txt 2>/dev/null) \
+    && rm -rf g trace_*.json scan_hlo*.txt trace_summary.txt )
 # what comes back for the next call: compiled kernels and FLA's new autotune results
 tar -czf "$OUT/kcache.tgz" -C .kcache . 2>/dev/null
 ( cd "$TRITON_CACHE_DIR" && ls */*.autotune.json >/dev/null 2>&1 && tar -czf "$OUT/fla-autotune-new.tgz" */*.autotune.json )
