@@ -494,12 +494,13 @@ def torch_dtype(name: str):
             "int32": torch.int32}[name]
 
 
-def chunk_pipeline(H, HV, K=D, V=D, *, h0=True, ht=True):
-    """The chunk_gdn2 pipeline ``kernels.torch_api.chunk_gdn2`` (and the JAX path) builds for bf16 / fp32 g."""
+def chunk_pipeline(H, HV, K=D, V=D, *, h0=True, ht=True, **options):
+    """The chunk_gdn2 pipeline ``kernels.torch_api.chunk_gdn2`` (and the JAX path) builds for bf16 / fp32 g;
+    ``options`` are factory options of ``kernels.chunk_fwd.chunk_fwd_pipeline`` (kernel variants)."""
     from kernels import registry
 
     cfg = registry.config(H=H, HV=HV, K=K, V=V, dtype="bfloat16", g_dtype="float32", scale=K ** -0.5,
-                          use_initial_state=h0, output_final_state=ht, varlen=False, use_qk_l2norm=False)
+                          use_initial_state=h0, output_final_state=ht, varlen=False, use_qk_l2norm=False, **options)
     return registry.get("chunk_gdn2").pipeline(**cfg)
 
 

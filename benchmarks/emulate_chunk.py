@@ -54,7 +54,7 @@ def inputs(seed, B, T, H, K=128, V=128):
                 h0=rng.standard_normal((B, H, K, V)).astype(np.float32))
 
 
-def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, keep32=()):
+def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, aqk_split=False, keep32=()):
     """Launch 1 for one chunk of one head (rows [C, K]); returns Aqk, Y, U, QG, KG (bf16 values) and GAM."""
     K = q.shape[-1]
     G = np.zeros((C, K), np.float32)
@@ -104,8 +104,10 @@ def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, keep32=()):
     def mm(x, y):
         return (tf32(x, mode).astype(np.float64) @ tf32(y, mode).astype(np.float64)).astype(np.float32)
 
-    N1 = mm(D, Toff)
-    N2 = mm(N1, N1)
+    # with tf32_round the kernel stores N and N^2 rounded (they are products' operands), N^3 as computed
+    rnd = (lambda x: tf32(x, "rn")) if mode == "rn" else (lambda x: x)
+    N1 = rnd(mm(D, Toff))
+    N2 = rnd(mm(N1, N1))
     N3 = mm(N1, N2)
     M = (np.eye(C, dtype=np.float32) - N1 + N2 - N3).astype(np.float32)
     A = bf16(mm(M, D))
@@ -119,7 +121,10 @@ def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, keep32=()):
     U = st("U", A.astype(np.float64) @ Zs)
     QG = st("QG", scale * q * np.exp2(G))
     KG = st("KG", k * np.exp2(G[-1] - G))
-    return st("Aqk", Qk), Y, U, QG, KG, np.exp2(G[-1]).astype(np.float32)
+    Aqk = st("Aqk", Qk)
+    if aqk_split:  # bf16 + its bf16 rounding residual, two products in launch 2
+        Aqk = Aqk + bf16(Qk - Aqk)
+    return Aqk, Y, U, QG, KG, np.exp2(G[-1]).astype(np.float32)
 
 
 def forward(x, scale, *, split_state=False, r32=False, **kw):
@@ -154,6 +159,8 @@ VARIANTS = {
     "v4 arithmetic, rn": dict(diag="exact", mode="rn"),
     "v5 arithmetic, rn": dict(diag="tf32", mode="rn"),
     "v5 + exact_self, rn": dict(diag="tf32", mode="rn", exact_self=True),
+    "v5 + aqk_split (trunc)": dict(diag="tf32", mode="trunc", aqk_split=True),
+    "v5 + all three options": dict(diag="tf32", mode="rn", exact_self=True, aqk_split=True),
 }
 ABLATIONS = {  # on top of "v5 + exact_self, rn": which rounding points carry the error
     "+ Aqk fp32": dict(keep32=("Aqk",)),

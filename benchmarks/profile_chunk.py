@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 
-GRID = ((1, 4096, 16), (1, 16384, 16), (4, 4096, 32), (8, 2048, 32), (1, 32768, 32), (16, 1024, 32))
 VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v": 64},
             "exact_self": {"exact_self": True}, "tf32_round": {"tf32_round": True}, "aqk_split": {"aqk_split": True},
             "precise": {"tf32_round": True, "exact_self": True, "aqk_split": True}}
@@ -31,20 +30,16 @@ def accuracy(variants, seeds=(123, 1, 2, 3), shape=(1, 512, 4)):
     """RMS ratio vs the fp64 token loop of o and the final state for each kernel variant and FLA, on the
     benchmark's accuracy inputs (spec §15 accuracy distribution, g ~ U(-5, -0.1); seed 123 is bench.py's)."""
     from benchmarks import bench_lib as L
-    from kernels import registry, torch_api
+    from kernels import torch_api
 
     B, T, H = shape
     for seed in seeds:
         x = L.torch_inputs(B, T, H, H, seed=seed, g_scale=1.0)
-        a = [x[n] for n in ("q", "k", "v", "g", "b", "w")]
-        ref_o, ref_s = L.oracle_np(*(L.tnp(t) for t in a), L.tnp(x["h0"]), 128 ** -0.5)
+        a = [x[n] for n in L.ARGS]
+        ref_o, ref_s = L.oracle_np(*(L.tnp(t) for t in a), L.tnp(x["h0"]), L.D ** -0.5)
         row = {"seed": seed, "B": B, "T": T, "H": H}
         for name in variants:
-            cfg = registry.config(H=H, HV=H, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
-                                  use_initial_state=True, output_final_state=True, varlen=False,
-                                  use_qk_l2norm=False, **VARIANTS[name])
-            r = torch_api.run_pipeline(registry.get("chunk_gdn2").pipeline(**cfg), {**dict(zip(
-                ("q", "k", "v", "g", "b", "w"), a)), "h0": x["h0"]})
+            r = torch_api.run_pipeline(L.chunk_pipeline(H, H, **VARIANTS[name]), x)
             row[f"{name}:o"], row[f"{name}:ht"] = L.rms(L.tnp(r["o"]), ref_o), L.rms(L.tnp(r["ht"]), ref_s)
         try:
             from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
@@ -56,23 +51,19 @@ def accuracy(variants, seeds=(123, 1, 2, 3), shape=(1, 512, 4)):
         print("ACCURACY " + json.dumps(row), flush=True)
 
 
-def time_grid(variants, shapes=GRID):
+def time_grid(variants, shapes=None):
     import torch
     from triton.testing import do_bench
 
     from benchmarks import bench_lib
-    from kernels import registry
+    from benchmarks.bench import PREFILL_GRID
 
     rows = []
-    for B, T, H in shapes:
+    for B, T, H in shapes or PREFILL_GRID:
         x = bench_lib.torch_inputs(B, T, H, H, seed=0)
         row = {"B": B, "T": T, "H": H}
         for name in variants:
-            cfg = registry.config(H=H, HV=H, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
-                                  use_initial_state=True, output_final_state=True, varlen=False,
-                                  use_qk_l2norm=False, **VARIANTS[name])
-            pipe = registry.get("chunk_gdn2").pipeline(**cfg)
-            calls = bench_lib.stage_callables(pipe, x)
+            calls = bench_lib.stage_callables(bench_lib.chunk_pipeline(H, H, **VARIANTS[name]), x)
             for la, fn in calls:
                 row[f"{name}:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
             del calls
@@ -80,7 +71,7 @@ def time_grid(variants, shapes=GRID):
         try:
             from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
 
-            a = [x[n] for n in ("q", "k", "v", "g", "b", "w")]
+            a = [x[n] for n in bench_lib.ARGS]
             with torch.inference_mode():
                 row["fla_total"] = do_bench(lambda: fla_chunk(*a, initial_state=x["h0"], output_final_state=True),
                                             warmup=10, rep=60, return_mode="median")
@@ -98,14 +89,16 @@ def main(argv=None):
     ap.add_argument("--H", type=int, default=32)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--time", action="store_true")
-    ap.add_argument("--variants", default="default,exact_diag,bv64")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated VARIANTS keys (default: --time default,exact_diag,bv64; "
+                         "--accuracy default,exact_diag,exact_self)")
     ap.add_argument("--accuracy", action="store_true")
     a = ap.parse_args(argv)
     if a.accuracy:
-        accuracy(a.variants.split(","))
+        accuracy((a.variants or "default,exact_diag,exact_self").split(","))
         return
     if a.time:
-        time_grid(a.variants.split(","))
+        time_grid((a.variants or "default,exact_diag,bv64").split(","))
         return
     import torch
 

@@ -101,9 +101,8 @@ if [[ -n "${PARITY_PID:-}" ]]; then  # (it ran alongside every step above: their
   rm -f "$OUT/parity.part"
 fi
 # the run machine returns only a few files per call: pack the decode traces / XLA dumps into one
-( cd "$OUT" && ls -d g trace_*.json scan_hlo*.txt trace_summary.txt >/dev/null 2>&1 \
-    && tar -czf diag.tgz $(ls -d g trace_*.json scan_hlo*.txt trace_summary.txt 2>/dev/null) \
-    && rm -rf g trace_*.json scan_hlo*.txt trace_summary.txt )
+( cd "$OUT" && diag=$(ls -d g trace_*.json scan_hlo*.txt trace_summary.txt 2>/dev/null; true) \
+    && [[ -n "$diag" ]] && tar -czf diag.tgz $diag && rm -rf $diag )
 # what comes back for the next call: compiled kernels and FLA's new autotune results
 tar -czf "$OUT/kcache.tgz" -C .kcache . 2>/dev/null
 ( cd "$TRITON_CACHE_DIR" && ls */*.autotune.json >/dev/null 2>&1 && tar -czf "$OUT/fla-autotune-new.tgz" */*.autotune.json )

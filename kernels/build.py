@@ -56,7 +56,8 @@ def preset(name: str) -> list[dict]:
                  dict(tf32_round=True, exact_self=True, aqk_split=True))
     profile += [dict(cfg(h, h, 128), **opt) for h in (4, 16, 32) for opt in ({},) + precision]
     profile += [dict(cfg(4, 4, 128), exact_diag=True)]
-    tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [dict(cfg(2, 4, 128), aqk_split=True)]
+    tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
+        dict(cfg(2, 4, 128), aqk_split=True), dict(cfg(2, 4, 128), exact_diag=True)]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,
              "all": serving + pools + bench + tests + layers, "sweep": _sweep(), "profile": profile}
     if name not in table:

@@ -10,7 +10,7 @@ with within-chunk cumulative log-decay ``G_r = sum_{i<=r} g_i`` (fp32, base 2 in
 
 Launch 1 ``gdn2_chunk_intra`` (grid: chunk slots x value heads, fully parallel; 256 threads, two blocks per SM,
 the channel axis walked in slices of 32) computes the cumulative decay, ``Aqk`` and ``T``, the solve, and stores ``Aqk``, ``Y``, ``U``, ``QG = scale*q*exp(G)``, ``KG = k*exp(G_C - G)``
-(input dtype) and ``GAM = exp(G_C)`` (fp32). Exponents are only evaluated where they are <= 0:
+(input dtype) and ``GAM = exp(G_C)`` (fp32). Exponents are bounded where they are evaluated:
 
 * the 16x16 blocks of Aqk / T use TF32 tensor-core products anchored at a row a of the row sub-chunk [n, n+16):
   ``(q_r exp(G_r - G_a)) . (k_s exp(G_a - G_s))``. Per channel slice, when every ``|G_r - G_(n+8)|`` within every
