@@ -58,10 +58,10 @@ DECODE_BENCH = dict(warmup=10, rep=40)    # do_bench ms for decode
 PREFILL_BENCH = dict(warmup=25, rep=100)
 TRAIN_BENCH = dict(warmup=25, rep=200)
 # XLA converts a while loop into a command buffer only when every thunk of its body is convertible; a scan's
-# per-step slice of its inputs is a dynamic memcpy (DYNAMIC_SLICE_COPY_FUSION) or a dynamic-slice fusion, so
-# without those two the loop stays on the host (session 4: two launches per token under the older flags)
+# per-step slice of its inputs is a dynamic memcpy (command type DYNAMIC_SLICE_COPY_FUSION, which the flag parser
+# of jaxlib 0.10-0.11 rejects) unless dynamic-slice fusion folds the slice into its consumer (DYNAMIC_SLICE_FUSION)
 GRAPH_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,"
-                   "DYNAMIC_SLICE_FUSION,DYNAMIC_SLICE_COPY_FUSION --xla_gpu_graph_min_graph_size=1")
+                   "DYNAMIC_SLICE_FUSION --xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_graph_min_graph_size=1")
 GRAPH_XLA_FLAGS_MIN = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"
 
 

@@ -5,12 +5,13 @@
 #           own process alongside all other steps (its Triton autotune results come back as fla-autotune-new.tgz)
 #   parity  the FLA layer-parity test alone, timed (issue 9: < 120 s with the autotune cache carried in .gpu/)
 #   decode  benchmarks/decode_paths.py (decode paths, state copies in the compiled HLO), plain and CUDA-graph
+#   dgraph  the CUDA-graph (XLA command buffer) half of decode alone
 #   bench   python -m benchmarks.bench (the benchmark of record; json/md/png and latest.json into $OUT)
 #   train   examples/train_lm.py --backend tilelang (training + generation at batch 1 and 64)
 #   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32
 #   ptime   benchmarks/profile_chunk.py --time: each chunk launch of each kernel variant on the grid, FLA alongside
 #   ncusrc  per-SASS-instruction executed counts of the intra kernel at B4 T4096 H32 ($OUT/intra_sass.csv)
-#   smoke   a quick benchmark run (two prefill shapes, decode at B 1 and 128) into /tmp/smoke (not kept)
+#   smoke   a quick benchmark run (two shapes per section; SMOKE_SECTIONS, default prefill,decode) into /tmp/smoke
 # Everything logs into $OUT/log.txt; the last lines of each step are echoed (the call returns the tail).
 set -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -57,14 +58,16 @@ if has decode; then
   step decode
   timeout ${T_DECODE:-150} python -m benchmarks.decode_paths --torch-first --trace "$OUT" 2>&1 | quiet \
       | tee -a "$LOG" | grep "DECODE\|TORCH\|==\|span"
+fi
+if has decode || has dgraph; then
   step decode-graph; mkdir -p "$OUT/g"
-  GDN2_JAX_CUDA_GRAPH=1 XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION,DYNAMIC_SLICE_COPY_FUSION --xla_gpu_graph_min_graph_size=1 --xla_dump_to=$OUT/g/xla --xla_dump_hlo_module_re=.*scan.*" \
+  GDN2_JAX_CUDA_GRAPH=1 XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION --xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_graph_min_graph_size=1 --xla_dump_to=$OUT/g/xla --xla_dump_hlo_module_re=.*scan.*" \
     timeout ${T_GRAPH:-120} python -m benchmarks.decode_paths --graph --B 1,16,128 --trace "$OUT/g" 2>&1 | quiet | tee -a "$LOG" \
     | grep "DECODE\|Error\|error\|==\|span" | tail -12
 fi
 if has smoke; then
   step smoke
-  timeout ${T_SMOKE:-90} python -m benchmarks.bench --quick --sections prefill,decode --time-budget 70 \
+  timeout ${T_SMOKE:-90} python -m benchmarks.bench --quick --sections ${SMOKE_SECTIONS:-prefill,decode} --time-budget 70 \
       --out /tmp/smoke 2>&1 | quiet | grep -v "^prefill {\|^decode {" | tee -a "$LOG" | tail -${TAIL_SMOKE:-30}
 fi
 if has bench; then

@@ -290,20 +290,21 @@ def test_vs_fla_060(op):
 
 # ---------------------------------------------------------------------------- chunk kernel precision options
 PRECISION_OPTIONS = {
-    "default": {},
-    "tf32_round": {"tf32_round": True},
-    "exact_self": {"exact_self": True},
-    "aqk_split": {"aqk_split": True},
-    "all": {"tf32_round": True, "exact_self": True, "aqk_split": True},
+    "v5": {"aqk_split": False},
+    "tf32_round": {"tf32_round": True, "aqk_split": False},
+    "exact_self": {"exact_self": True, "aqk_split": False},
+    "default": {},  # aqk_split
+    "all": {"tf32_round": True, "exact_self": True},
 }
 
 
 def test_chunk_precision_options_vs_oracle():
-    """The intra/state kernels' experimental precision options (``kernels/chunk_fwd.py``: TF32 operands rounded
-    to nearest, fp32 self terms on Aqk's diagonal, Aqk as bf16 + residual) on the spec §15 accuracy case against the
-    fp64 oracle. ``benchmarks/emulate_chunk.py`` predicts o ratios of 3.27e-3 (default), 2.90e-3 (aqk_split) and
-    2.81e-3 (all) on CPU-drawn inputs. Each variant stays within the acceptance limits and reruns bit-identically;
-    aqk_split is at least 5% better than the default and all three together no worse than aqk_split alone."""
+    """The intra/state kernels' precision options (``kernels/chunk_fwd.py``: TF32 operands rounded to nearest, fp32
+    self terms on Aqk's diagonal, Aqk as bf16 + residual, the default since session 5) on the spec §15 accuracy case
+    against the fp64 oracle. ``benchmarks/emulate_chunk.py`` predicts o ratios of 3.27e-3 (v5: no residual),
+    2.90e-3 (default) and 2.81e-3 (all) on CPU-drawn inputs; session 5 measured 3.21-3.31e-3 (v5) and 2.87-2.95e-3
+    (default) over six seeds. Each variant stays within the acceptance limits and reruns bit-identically; the
+    default is at least 5% better than v5 and all three options together no worse than the default."""
     import torch
 
     from kernels import registry, torch_api
@@ -322,5 +323,5 @@ def test_chunk_precision_options_vs_oracle():
         ratio[name] = check_acc("chunk_gdn2", to_np(outs[0]["o"]), to_np(outs[0]["ht"]), ref_o, ref_ht, "bfloat16",
                                 limits=ACCEPTANCE)
         print(f"{name}: o ratio {ratio[name]:.4e}, state ratio {rms(to_np(outs[0]['ht']), ref_ht):.4e}")
-    assert ratio["aqk_split"] <= 0.95 * ratio["default"], ratio
-    assert ratio["all"] <= ratio["aqk_split"] * 1.001, ratio
+    assert ratio["default"] <= 0.95 * ratio["v5"], ratio
+    assert ratio["all"] <= ratio["default"] * 1.001, ratio

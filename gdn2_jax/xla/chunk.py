@@ -7,11 +7,12 @@ Per chunk (forward, then the hand-written VJP of spec §7.2 in FLA's kernel orde
     backward  chunk_o.o_bwd -> chunk_delta_h.state_bwd -> wy_fast.wy_bwd -> chunk_intra.solve_bwd, intra_bwd
               -> cumsum.chunk_local_cumsum_bwd
 
-Everything runs on chunk-major arrays ``[NC, B, HV, C, D]`` (``layout``): a ``lax.scan`` over the NC chunks, the
-B sequences and HV heads in parallel. :func:`chunk_forward` wraps the scan in a ``jax.custom_vjp`` whose
-backward is a forward state pass (the chunk start states, FLA's ``h``) and then a reverse scan of the per-chunk
-VJP, so its residuals are the inputs only: O(T/C) states, never per-token states. :func:`naive_chunk_forward`
-is the same forward differentiated by plain autodiff (each chunk rematerialised).
+Everything runs on chunk-major arrays ``[NC, B, HV, C, D]`` (``layout``). :func:`chunk_forward` splits the work
+as FLA's kernels do: the stages that are local to a chunk run for all chunks at once (in batches of chunks), and
+only the state recurrences are a ``lax.scan`` over the NC chunks (two products per step; forward: the start
+states S0, FLA's ``h``; backward: the reverse dS pass, FLA's ``dh``). It is a ``jax.custom_vjp`` whose residuals
+are the inputs only: O(T/C) states, never per-token states. :func:`naive_chunk_forward` is a whole-chunk scan
+(:func:`chunk_fwd_one` per step) differentiated by plain autodiff (each chunk rematerialised).
 
 No factor ``exp(-G)`` is ever formed (``cumsum``), so g down to -60 per token gives finite outputs and gradients.
 :func:`intra_stage` is the xla twin of the kernels' intra-chunk launch (GPU tests compare them stage by stage).
@@ -28,7 +29,7 @@ from jax import lax
 from kernels._common import CHUNK
 
 from . import layout
-from .chunk_delta_h import state_bwd, state_fwd
+from .chunk_delta_h import state_bwd_parallel, state_bwd_recurrent, state_fwd
 from .chunk_intra import intra_bwd, intra_fwd, solve_bwd, solve_fwd
 from .chunk_o import o_bwd, o_fwd
 from .common import prepare_qk
@@ -51,14 +52,27 @@ def _stages_fwd(q, k, v, g, b, w, scale):
     return gates, Aqk, A, wy_fwd(A, q, k, v, b, w, gates, scale)
 
 
-def chunk_fwd_one(q, k, v, g, b, w, S0, scale, with_output=True):
+def chunk_fwd_one(q, k, v, g, b, w, S0, scale):
     """One chunk forward: q, k, g, b ``[..., C, K]``, v, w ``[..., C, V]``, S0 ``[..., K, V]`` (compute dtype).
 
-    Returns ``(O [..., C, V] or None, S_next [..., K, V])``.
+    Returns ``(O [..., C, V], S_next [..., K, V])``.
     """
     gates, Aqk, _, wy = _stages_fwd(q, k, v, g, b, w, scale)
     R, S_next = state_fwd(wy.Y, wy.U, wy.KG, gates.gamC, S0)
-    return (o_fwd(wy.QG, S0, Aqk, R) if with_output else None), S_next
+    return o_fwd(wy.QG, S0, Aqk, R), S_next
+
+
+def _bwd_local(q, k, v, g, b, w, S0, R, dR, dS_end, dQG, dAqk, scale):
+    """Everything of the chunk VJP that is local to the chunk once the two state passes ran: recomputes stages
+    1-3, then the state stage's parallel part, the WY, solve and intra backward and the reverse cumsum of dG.
+    ``R`` is the chunk's ``U - Y S0``, ``dR`` its full cotangent, ``dQG``/``dAqk`` the output stage's shares.
+    Returns ``(dq, dk, dv, dg, db, dw)``."""
+    gates, _, A, wy = _stages_fwd(q, k, v, g, b, w, scale)
+    dY, dKG, dG_C = state_bwd_parallel(gates.gamC, S0, R, dR, dS_end)
+    dq_w, dk_w, dv, db_w, dw, dG_w, dA = wy_bwd(A, k, v, b, w, gates, wy, dY, dR, dQG, dKG, scale)
+    dq_i, dk_i, db_i, dG_i = intra_bwd(q, k, b, gates, dAqk, solve_bwd(A, dA), scale)
+    dG = (dG_w + dG_i).at[..., -1, :].add(dG_C)
+    return dq_w + dq_i, dk_w + dk_i, dv, chunk_local_cumsum_bwd(dG), db_w + db_i, dw
 
 
 def chunk_bwd_one(q, k, v, g, b, w, S0, dO, dS_end, scale):
@@ -67,14 +81,11 @@ def chunk_bwd_one(q, k, v, g, b, w, S0, dO, dS_end, scale):
     Recomputes the chunk's forward (FLA's recomputation policy), then runs the stages in reverse.
     Returns ``((dq, dk, dv, dg, db, dw), dS0)``.
     """
-    gates, Aqk, A, wy = _stages_fwd(q, k, v, g, b, w, scale)
+    gates, Aqk, _, wy = _stages_fwd(q, k, v, g, b, w, scale)
     R, _ = state_fwd(wy.Y, wy.U, wy.KG, gates.gamC, S0)
     dQG, dS0_o, dAqk, dR_o = o_bwd(wy.QG, S0, Aqk, R, dO)
-    dS0, dY, dU, dKG, dG_C = state_bwd(wy.Y, wy.KG, gates.gamC, S0, R, dR_o, dS0_o, dS_end)
-    dq_w, dk_w, dv, db_w, dw, dG_w, dA = wy_bwd(A, k, v, b, w, gates, wy, dY, dU, dQG, dKG, scale)
-    dq_i, dk_i, db_i, dG_i = intra_bwd(q, k, b, gates, dAqk, solve_bwd(A, dA), scale)
-    dG = (dG_w + dG_i).at[..., -1, :].add(dG_C)
-    return (dq_w + dq_i, dk_w + dk_i, dv, chunk_local_cumsum_bwd(dG), db_w + db_i, dw), dS0
+    dS0, dR = state_bwd_recurrent(wy.Y, wy.KG, gates.gamC, dR_o, dS0_o, dS_end)
+    return _bwd_local(q, k, v, g, b, w, S0, R, dR, dS_end, dQG, dAqk, scale), dS0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -84,14 +95,13 @@ def _start_state(h0, sq, rs, S):
     return jnp.where(rs[:, None, None, None], h0[sq], S)
 
 
-def _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset, *, states_only=False, remat=False):
-    """Forward over all chunks. Returns (O [NC,B,HV,C,V], S_end [NC,B,HV,K,V]); with ``states_only``
-    returns the chunk START states S0 [NC,B,HV,K,V] (the backward's state pass) and skips the outputs."""
+def _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset, *, remat=False):
+    """Forward over all chunks, one whole chunk per scan step (the plain-autodiff path of ``naive_chunk_gdn2``).
+    Returns (O [NC,B,HV,C,V], S_end [NC,B,HV,K,V])."""
     def body(S, xs):
         qc, kc, vc, gc, bc, wc, sq, rs = xs
-        S0 = _start_state(h0, sq, rs, S)
-        O, S_next = chunk_fwd_one(qc, kc, vc, gc, bc, wc, S0, scale, with_output=not states_only)
-        return S_next, (S0 if states_only else (O, S_next))
+        O, S_next = chunk_fwd_one(qc, kc, vc, gc, bc, wc, _start_state(h0, sq, rs, S), scale)
+        return S_next, (O, S_next)
 
     if remat:
         body = jax.checkpoint(body)
@@ -101,35 +111,83 @@ def _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset, *, states_only=False,
     return ys
 
 
+# Bytes of one [C, C, K] decay-weighted temporary (intra stage) allowed per batch of (chunk, sequence, head)
+# problems in the chunk-parallel parts (lax.map batches); one batch holds all of them when they fit.
+_BATCH_BYTES = 1 << 30
+
+
+def _chunk_map(f, xs):
+    """``f`` over the chunk-major arrays ``xs`` (each ``[NC, B, HV, ...]``), one (chunk, sequence, head) problem per
+    row: the three leading axes are flattened and mapped in batches (``lax.map``) sized by :data:`_BATCH_BYTES`
+    (``f`` sees ``[rows, ...]``), and the results are reshaped back to ``[NC, B, HV, ...]``."""
+    NC, B, HV, C, K = xs[0].shape
+    n = NC * B * HV
+    rows = int(max(1, min(n, _BATCH_BYTES // (C * C * K * jnp.dtype(xs[0].dtype).itemsize))))
+    flat = tuple(x.reshape((n,) + x.shape[3:]) for x in xs)
+    out = f(flat) if rows == n else lax.map(f, flat, batch_size=rows)
+    return jax.tree_util.tree_map(lambda y: y.reshape((NC, B, HV) + y.shape[1:]), out)
+
+
+def _state_pass(scale, q, k, v, g, b, w, h0, seq, reset):
+    """Stages 1-3 chunk-parallel, then the sequential state pass (two products per chunk).
+
+    Returns ``(QG, Aqk, Y, KG, gamC, S0s, R, S_end)``, chunk-major: the chunk start states S0s (= FLA's ``h``),
+    R = U - Y S0 and the end states."""
+    def pre(x):
+        gates, Aqk, _, wy = _stages_fwd(*x, scale)
+        return wy.QG, Aqk, wy.Y, wy.U, wy.KG, gates.gamC
+
+    QG, Aqk, Y, U, KG, gamC = _chunk_map(pre, (q, k, v, g, b, w))
+
+    def body(S, xs):
+        Yc, Uc, KGc, gc, sq, rs = xs
+        S0 = _start_state(h0, sq, rs, S)
+        R, S_next = state_fwd(Yc, Uc, KGc, gc, S0)
+        return S_next, (S0, R, S_next)
+
+    NC, B, HV, _, K = q.shape
+    _, (S0s, R, S_end) = lax.scan(body, jnp.zeros((B, HV, K, v.shape[-1]), h0.dtype), (Y, U, KG, gamC, seq, reset))
+    return QG, Aqk, Y, KG, gamC, S0s, R, S_end
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunk_core(scale, q, k, v, g, b, w, h0, seq, reset):
-    return _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset)
+    QG, Aqk, _, _, _, S0s, R, S_end = _state_pass(scale, q, k, v, g, b, w, h0, seq, reset)
+    return o_fwd(QG, S0s, Aqk, R), S_end
 
 
 def _chunk_core_fwd(scale, q, k, v, g, b, w, h0, seq, reset):
-    out = _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset)
+    out = _chunk_core(scale, q, k, v, g, b, w, h0, seq, reset)
     # Residuals: the (chunk-major) inputs only; states are recomputed in the backward.
     return out, (q, k, v, g, b, w, h0, seq, reset)
 
 
 def _chunk_core_bwd(scale, res, cts):
+    """The VJP in FLA's split: chunk-parallel stages around the two sequential state passes.
+
+    1. stages 1-3 per chunk and the forward state pass (:func:`_state_pass`): S0, R;
+    2. (parallel) the output stage's backward: dQG, dS0_o, dAqk, dR_o;
+    3. (sequential, reverse) the dS pass (FLA's ``dh``): dS_end per chunk, dR, and dh0;
+    4. (parallel) everything else (:func:`_bwd_local`), stages 1-3 recomputed.
+    Only O(T/C) states are kept (S0, dS_end: one [K, V] each per chunk); no per-token state is ever formed.
+    """
     q, k, v, g, b, w, h0, seq, reset = res
     dO, dS_end_all = cts
-    # 1. state pass: chunk start states S0 (= FLA's h), O(T/C) states
-    S0s = _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset, states_only=True)
-    # 2. reverse pass over chunks. Chunk c's end-state gradient is the next chunk's dS0 unless the next chunk
-    #    restarts from h0 (sequence boundary), plus any cotangent on S_end[c] itself (final states).
+    QG, Aqk, Y, KG, gamC, S0s, R, _ = _state_pass(scale, q, k, v, g, b, w, h0, seq, reset)
+    dQG, dS0_o, dAqk, dR_o = o_bwd(QG, S0s, Aqk, R, dO)
+    # Chunk c's end-state gradient is the next chunk's dS0 unless the next chunk restarts from h0 (sequence
+    # boundary), plus any cotangent on S_end[c] itself (final states).
     reset_next = jnp.concatenate([reset[1:], jnp.ones_like(reset[:1])], axis=0)
 
     def body(dS_next, xs):
-        qc, kc, vc, gc, bc, wc, S0, dOc, dSc, rn, rs = xs
+        Yc, KGc, gc, dRo, dS0o, dSc, rn, rs = xs
         dS_end = jnp.where(rn[:, None, None, None], jnp.zeros_like(dS_next), dS_next) + dSc
-        grads, dS0 = chunk_bwd_one(qc, kc, vc, gc, bc, wc, S0, dOc, dS_end, scale)
-        return dS0, (grads, jnp.where(rs[:, None, None, None], dS0, jnp.zeros_like(dS0)))
+        dS0, dR = state_bwd_recurrent(Yc, KGc, gc, dRo, dS0o, dS_end)
+        return dS0, (dS_end, dR, jnp.where(rs[:, None, None, None], dS0, jnp.zeros_like(dS0)))
 
-    zero = jnp.zeros(S0s.shape[1:], S0s.dtype)
-    _, (grads, dh0_chunks) = lax.scan(body, zero, (q, k, v, g, b, w, S0s, dO, dS_end_all, reset_next, reset),
-                                      reverse=True)
+    _, (dS_end, dR, dh0_chunks) = lax.scan(body, jnp.zeros(S0s.shape[1:], S0s.dtype),
+                                           (Y, KG, gamC, dR_o, dS0_o, dS_end_all, reset_next, reset), reverse=True)
+    grads = _chunk_map(lambda x: _bwd_local(*x, scale), (q, k, v, g, b, w, S0s, R, dR, dS_end, dQG, dAqk))
     dh0 = jnp.zeros_like(h0).at[seq.reshape(-1)].add(dh0_chunks.reshape((-1,) + h0.shape[1:]))
     return (*grads, dh0, None, None)
 

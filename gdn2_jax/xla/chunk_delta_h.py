@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from .common import ein
 
-__all__ = ["state_fwd", "state_bwd"]
+__all__ = ["state_fwd", "state_bwd", "state_bwd_recurrent", "state_bwd_parallel"]
 
 
 def state_fwd(Y, U, KG, gamC, S0):
@@ -34,15 +34,31 @@ def state_fwd(Y, U, KG, gamC, S0):
     return R, S_next
 
 
+def state_bwd_recurrent(Y, KG, gamC, dR_o, dS0_o, dS_end):
+    """The sequential part of :func:`state_bwd` (FLA ``chunk_gated_delta_rule_bwd_dhu``): ``(dS0, dR)``.
+
+    Only this needs the previous (later) chunk's result; everything else of the backward is chunk-parallel given
+    the start states S0, R and the per-chunk dS_end (:func:`state_bwd_parallel`).
+    """
+    dR = dR_o + ein("...rk,...kv->...rv", KG, dS_end)
+    dS0 = gamC[..., :, None] * dS_end + dS0_o - ein("...rk,...rv->...kv", Y, dR)
+    return dS0, dR
+
+
+def state_bwd_parallel(gamC, S0, R, dR, dS_end):
+    """The chunk-parallel part of :func:`state_bwd`: ``(dY, dKG, dG_C)`` from the chunk's S0, R, dR and dS_end."""
+    dY = -ein("...rv,...kv->...rk", dR, S0)
+    dKG = ein("...rv,...kv->...rk", R, dS_end)
+    dG_C = gamC * jnp.sum(dS_end * S0, axis=-1)
+    return dY, dKG, dG_C
+
+
 def state_bwd(Y, KG, gamC, S0, R, dR_o, dS0_o, dS_end):
     """Backward of :func:`state_fwd` for one chunk (shapes as there; dS_end, dS0_o ``[..., K, V]``, dR_o like R).
 
     Returns ``(dS0, dY, dU, dKG, dG_C)`` with dG_C ``[..., K]`` the gradient w.r.t. the chunk's last cumulative
     decay through gamC.
     """
-    dR = dR_o + ein("...rk,...kv->...rv", KG, dS_end)
-    dS0 = gamC[..., :, None] * dS_end + dS0_o - ein("...rk,...rv->...kv", Y, dR)
-    dY = -ein("...rv,...kv->...rk", dR, S0)
-    dKG = ein("...rv,...kv->...rk", R, dS_end)
-    dG_C = gamC * jnp.sum(dS_end * S0, axis=-1)
+    dS0, dR = state_bwd_recurrent(Y, KG, gamC, dR_o, dS0_o, dS_end)
+    dY, dKG, dG_C = state_bwd_parallel(gamC, S0, R, dR, dS_end)
     return dS0, dY, dR, dKG, dG_C
