@@ -1,19 +1,21 @@
 """Run the chunk prefill pipeline (torch path) on one grid shape, for ``ncu`` (Nsight Compute) to profile; or time
-its launches over the benchmark grid.
+its launches over the benchmark grid; or compare kernel variants' accuracy; or time the training step.
 
     ncu --clock-control none --kernel-name main_kernel --launch-skip 2 --launch-count 2 \\
         --section SpeedOfLight --section Occupancy ... python -m benchmarks.profile_chunk --B 4 --T 4096 --H 32
     python -m benchmarks.profile_chunk --time [--variants default,exact_diag,bv64]
     python -m benchmarks.profile_chunk --accuracy [--variants default,exact_diag,exact_self]
+    python -m benchmarks.profile_chunk --train
 
 Profiling: two warm-up calls, then two profiled launches: the intra-chunk kernel and the state/output kernel
 (TileLang names every kernel ``main_kernel``). ``--time``: do_bench medians (ms) of each launch of each kernel
-variant (``default``; ``exact_diag``: every diagonal block of the intra kernel summed exactly in fp32, the
-pre-v5 arithmetic; ``bv64``: state kernel with V-blocks of 64; ``exact_self``: the diagonal of Aqk in fp32;
-``tf32_round``: TF32 operands rounded to nearest; ``aqk_split``: Aqk as bf16 + residual; ``precise``: the last
-three together; ``aqk_self``: ``aqk_split`` + ``exact_self``) on the prefill grid, and FLA 0.6.0's
-``chunk_gdn2`` in the same process; one JSON line per shape (``PROFILE {...}``). Inputs follow spec §15 (bf16,
-fp32 g, D = 128). Needs a GPU.
+variant on the prefill grid, and FLA 0.6.0's ``chunk_gdn2`` in the same process; one JSON line per shape
+(``PROFILE {...}``). Variants (:data:`VARIANTS`; all but ``v5`` keep Aqk's bf16 residual, the default since session
+5): ``default``; ``exact_diag`` (every diagonal block of the intra kernel summed exactly in fp32, the pre-v5
+arithmetic); ``bv64`` (state kernel with V-blocks of 64); ``exact_self`` (the diagonal of Aqk in fp32);
+``tf32_round`` (TF32 operands rounded to nearest); ``precise`` (those two together); ``v5`` (Aqk as plain bf16).
+``--accuracy``: o and final-state RMS ratios vs fp64 per variant and FLA (``ACCURACY {...}``); ``--train``: see
+:func:`train_grid` (``TRAIN {...}``). Inputs follow spec §15 (bf16, fp32 g, D = 128). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -82,6 +84,50 @@ def time_grid(variants, shapes=None):
     return rows
 
 
+def train_grid(variants=("dense", "factored"), shapes=None):
+    """The benchmark's training step (``bench_lib.jax_train_fn``: the tilelang forward, the xla VJP) with the intra
+    stage's pairwise decays dense or sub-chunk factored (``gdn2_jax.xla.chunk._FACTORED_INTRA``), on the grid:
+    host-loop ms and XLA's compiled memory per variant, FLA's forward + backward (do_bench) in the same process;
+    one ``TRAIN {...}`` JSON line per shape."""
+    import torch
+
+    from benchmarks import bench_lib as L
+    from benchmarks.bench import PREFILL_GRID
+    from gdn2_jax.xla import chunk as xla_chunk
+
+    for B, T, H in shapes or PREFILL_GRID:
+        x = L.torch_inputs(B, T, H, H, seed=0, h0=False)
+        do = L.randn((B, T, H, L.D), 1)
+        jx = [L.to_jax(x[n]) for n in L.ARGS] + [L.to_jax(do)]
+        row = {"B": B, "T": T, "H": H}
+        for name in variants:
+            xla_chunk._FACTORED_INTRA = name == "factored"
+            try:
+                f = L.jax_train_fn()  # a fresh jit: traced with the switch as set now
+                row[f"{name}:peak_MiB"] = L.jax_compiled_memory(f, *jx)["total_MiB"]
+                row[f"{name}:ms"] = L.host_ms(lambda: f(*jx), L.jax_sync, target_s=0.1)[0]
+            except Exception as e:  # pragma: no cover
+                row[f"{name}:error"] = repr(e)[:200]
+            finally:
+                xla_chunk._FACTORED_INTRA = False
+        try:
+            from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
+            from triton.testing import do_bench
+
+            leaves = [x[n].detach().clone().requires_grad_(True) for n in L.ARGS]
+
+            def step():
+                o, _ = fla_chunk(*leaves)
+                (o.float() * do).sum().backward()
+
+            row["fla_ms"] = do_bench(step, warmup=10, rep=60, grad_to_none=leaves, return_mode="median")
+        except Exception as e:  # pragma: no cover
+            row["fla_error"] = repr(e)[:200]
+        print("TRAIN " + json.dumps(row), flush=True)
+        del jx, x
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--B", type=int, default=4)
@@ -93,7 +139,11 @@ def main(argv=None):
                     help="comma-separated VARIANTS keys (default: --time default,exact_diag,bv64; "
                          "--accuracy default,exact_diag,exact_self)")
     ap.add_argument("--accuracy", action="store_true")
+    ap.add_argument("--train", action="store_true", help="training step, dense vs factored intra decays (xla VJP)")
     a = ap.parse_args(argv)
+    if a.train:
+        train_grid()
+        return
     if a.accuracy:
         accuracy((a.variants or "default,exact_diag,exact_self").split(","))
         return

@@ -52,8 +52,9 @@ def preset(name: str) -> list[dict]:
     # benchmarks/profile_chunk.py --time: the chunk kernel variants it compares with the default on the grid
     profile = [dict(cfg(h, h, 128), **opt) for h in (16, 32) for opt in (dict(exact_diag=True), dict(block_v=64))]
     # precision options of the chunk kernels (tests/test_tilelang_gpu.py, test_stages.py; profile_chunk.py)
-    precision = (dict(tf32_round=True), dict(exact_self=True), dict(aqk_split=False),
-                 dict(aqk_split=False, exact_self=True), dict(tf32_round=True, exact_self=True, aqk_split=True))
+    precision = (dict(tf32_round=True), dict(tf32_round=True, aqk_split=False), dict(exact_self=True),
+                 dict(aqk_split=False), dict(aqk_split=False, exact_self=True),
+                 dict(tf32_round=True, exact_self=True, aqk_split=True))
     profile += [dict(cfg(h, h, 128), **opt) for h in (4, 16, 32) for opt in ({},) + precision]
     profile += [dict(cfg(4, 4, 128), exact_diag=True)]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [

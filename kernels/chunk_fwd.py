@@ -52,6 +52,17 @@ def num_chunk_slots(T: int, N: int, varlen: bool) -> int:
     return T // CHUNK + N if varlen else -(-T // CHUNK)
 
 
+def seq_span(n, cu_seqlens, Tn, varlen: bool):
+    """Where sequence ``n`` lives, for the kernels that walk one sequence's chunks in order (inside a prim_func):
+    ``(batch row, first token (int64), length, first chunk slot)``. Varlen: row 0 of the packed batch, tokens
+    ``cu_seqlens[n] ..``, slots from ``n + cu_seqlens[n] // 64`` (``num_chunk_slots``); dense: row n, all Tn tokens."""
+    import tilelang.language as T
+
+    if varlen:
+        return 0, T.cast(cu_seqlens[n], "int64"), cu_seqlens[n + 1] - cu_seqlens[n], n + cu_seqlens[n] // CHUNK
+    return n, T.int64(0), Tn, 0
+
+
 def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
     """Buffer types of both launches (every optional buffer included; ``drop_params`` removes unused ones).
 
@@ -430,16 +441,7 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
             Rb = T.alloc_shared((C, BV), dtype)
             Rf, Of = (T.alloc_fragment((C, BV), acc) for _ in range(2))
 
-            if varlen:
-                bb = 0
-                bos = T.cast(cu_seqlens[n], "int64")
-                ln = cu_seqlens[n + 1] - cu_seqlens[n]
-                sbase = n + cu_seqlens[n] // C
-            else:
-                bb = n
-                bos = T.int64(0)
-                ln = Tn
-                sbase = 0
+            bb, bos, ln, sbase = seq_span(n, cu_seqlens, Tn, varlen)
 
             if use_h0:
                 for i, j in T.Parallel(K, BV):

@@ -263,3 +263,35 @@ def test_backward_residuals_are_not_per_token_states():
     # the same measurement flags the token-loop reference, which does store per-token states
     total_ref, states_ref = _residual_elements(make(naive_recurrent_gdn2), _args(x), K, V)
     assert states_ref >= per_token_states
+
+
+@pytest.mark.parametrize("case", ["strong_fp64", "varlen_fp64", "gva_fp32"])
+def test_factored_intra_grads(monkeypatch, case):
+    """The xla VJP with the intra stage's pairwise decays in sub-chunk factored form (``_FACTORED_INTRA``, off by
+    default until measured on a GPU) against the fp64 token loop: g down to -60 per channel (finite everywhere),
+    packed sequences with an empty one, GVA with L2 norm in float32."""
+    from gdn2_jax.xla import chunk as xla_chunk
+
+    monkeypatch.setattr(xla_chunk, "_FACTORED_INTRA", True)
+    if case == "gva_fp32":
+        x32 = make_inputs(71, 2, 150, 2, 4, 16, 8, jnp.float32, as_numpy=True)
+        with jax.enable_x64(True):
+            ref = value_and_grads(naive_recurrent_gdn2, {n: jnp.asarray(a.astype(np.float64))
+                                                         for n, a in x32.items()}, h0=True, l2=True, seed=8)
+            ref = {n: np.asarray(a) for n, a in ref.items()}
+        res = value_and_grads(_xla, {n: jnp.asarray(a) for n, a in x32.items()}, h0=True, l2=True, seed=8)
+        assert_close(res, ref, 1e-5)
+        return
+    with jax.enable_x64(True):
+        cu = None
+        if case == "varlen_fp64":
+            x = make_inputs(51, 1, 130, 1, 2, 8, 6, jnp.float64, N=4)
+            cu = jnp.asarray([0, 15, 15, 100, 130], jnp.int32)
+        else:
+            x = make_inputs(61, 1, 130, 1, 2, 8, 6, jnp.float64, b_range=(0.0, 2.0))
+            x["g"] = strong_decay_g(62, x["g"].shape, jnp.float64)
+        ref = value_and_grads(naive_recurrent_gdn2, x, h0=True, l2=case == "varlen_fp64", cu=cu, seed=6)
+        res = value_and_grads(_xla, x, h0=True, l2=case == "varlen_fp64", cu=cu, seed=6)
+        for n in OUT_NAMES:
+            assert bool(jnp.all(jnp.isfinite(res[n]))), n
+        assert_close(res, ref, TOL64)

@@ -20,11 +20,11 @@ import pytest
 from _oracle import rms_ratio
 
 from gdn2_jax.xla.chunk import chunk_bwd_one, chunk_fwd_one
-from gdn2_jax.xla.chunk_delta_h import state_bwd, state_fwd
+from gdn2_jax.xla.chunk_delta_h import state_bwd, state_bwd_recurrent, state_fwd
 from gdn2_jax.xla.chunk_intra import intra_bwd, intra_fwd, solve_bwd, solve_fwd
 from gdn2_jax.xla.chunk_o import o_bwd, o_fwd
 from gdn2_jax.xla.common import masks
-from gdn2_jax.xla.cumsum import Gates, chunk_gates, chunk_local_cumsum_bwd
+from gdn2_jax.xla.cumsum import SUB, Gates, SubGates, chunk_gates, chunk_local_cumsum_bwd
 from gdn2_jax.xla.wy_fast import WY, wy_bwd, wy_fwd
 
 TOL = 1e-10
@@ -123,6 +123,49 @@ def test_cumsum_forward_factors_and_reverse_cumsum_is_vjp(x64, gdist):
     _, vjp_g = jax.vjp(chunk_gates, g)
     _, vjp_G = jax.vjp(gates_from_G, jnp.asarray(G))
     close(vjp_g(cts)[0], chunk_local_cumsum_bwd(vjp_G(cts)[0]), what="dg via every factor")
+
+
+@pytest.mark.parametrize("gdist,C", [("swept", 64), ("mild", 64), ("swept", 32)])
+def test_factored_gates_equal_dense(x64, gdist, C):
+    """``chunk_gates(g, factored=True)``: the sub-chunk factors reproduce every dense Gam entry (lead_r * back[i]_s
+    below the diagonal blocks, ``diag`` on them), are exactly 0 where masked and finite (g down to -60), and the
+    other factors equal the dense path's; a chunk that is not a multiple of SUB rows falls back to the dense form."""
+    x = chunk_inputs(3, C=C, gdist=gdist)
+    g = jnp.asarray(x["g"])
+    dense, fac = chunk_gates(g), chunk_gates(g, factored=True)
+    assert isinstance(fac.Gam, SubGates) and not isinstance(dense.Gam, SubGates)
+    for name in ("G", "gam", "gamC", "tail"):
+        close(getattr(fac, name), getattr(dense, name), 1e-13, name)
+    sg, Gam = fac.Gam, np.asarray(dense.Gam)
+    NS = C // SUB
+    rebuilt = np.zeros_like(Gam)
+    for i in range(NS):
+        rows = slice(i * SUB, (i + 1) * SUB)
+        lead, back = np.asarray(sg.lead)[..., rows, None, :], np.asarray(sg.back)[..., i, None, :, :]
+        rebuilt[..., rows, :i * SUB, :] = (lead * back)[..., :i * SUB, :]
+        rebuilt[..., rows, rows, :] = np.asarray(sg.diag)[..., i, :, :, :]
+        assert np.all(np.asarray(sg.back)[..., i, i * SUB:, :] == 0)  # exactly 0 from sub-chunk i on
+    close(rebuilt, Gam, 1e-12, "Gam from the sub-chunk factors")
+    assert np.all(np.asarray(sg.diag)[..., ~np.tril(np.ones((SUB, SUB), bool)), :] == 0)  # exactly 0 above
+    assert all(np.all(np.isfinite(np.asarray(f))) for f in sg)
+    assert not isinstance(chunk_gates(g[..., :24, :], factored=True).Gam, SubGates)
+
+
+@pytest.mark.parametrize("gdist", ["swept", "mild"])
+def test_intra_factored_equals_dense(x64, gdist):
+    """intra_fwd / intra_bwd over the factored gates give the dense results (every score and gradient)."""
+    x = chunk_inputs(4, gdist=gdist)
+    q, k, b = (jnp.asarray(x[n]) for n in "qkb")
+    g = jnp.asarray(x["g"])
+    dense, fac = chunk_gates(g), chunk_gates(g, factored=True)
+    for a, r, name in zip(intra_fwd(q, k, b, fac, SCALE), intra_fwd(q, k, b, dense, SCALE), ("Aqk", "T")):
+        close(a, r, 1e-12, name)
+    rng = np.random.default_rng(5)
+    incl, strict = (np.asarray(m, np.float64) for m in masks(64))
+    dAqk, dT = (jnp.asarray(cotangent(rng, np.zeros(BATCH + (64, 64)) + 1, m)) for m in (incl, strict))
+    for a, r, name in zip(intra_bwd(q, k, b, fac, dAqk, dT, SCALE), intra_bwd(q, k, b, dense, dAqk, dT, SCALE),
+                          ("dq", "dk", "db", "dG")):
+        close(a, r, 1e-12, name)
 
 
 # -------------------------------------------------------------------------------------- chunk_intra
@@ -471,3 +514,87 @@ def test_gpu_intra_aqk_split_residual_vs_twin():
     r_hi = _gpu_rms(hi, twin)
     r_sum = _gpu_rms(hi + _np(split["AqkL"]), twin)
     assert r_sum < 0.7 * r_hi, (r_sum, r_hi)
+
+
+def _dstate_twin(Aqk, Y, QG, KG, gam, do, dht):
+    """fp64 reverse dS pass of one sequence (token-major [L, HV, .] arrays, gam [nc, HV, K]): the xla stages
+    ``chunk_o.o_bwd`` (dR_o = Aqk^T dO, dS0_o = QG^T dO) and ``chunk_delta_h.state_bwd_recurrent`` per chunk, last
+    to first. Rows past L are zero. Returns (dh [nc, HV, K, V], dv [L, HV, V], dh0 [HV, K, V])."""
+    from gdn2_jax.xla import layout
+
+    L = do.shape[0]
+    nc = gam.shape[0]
+    with jax.default_device(jax.devices("cpu")[0]), jax.enable_x64(True):
+        ch = {n: layout.dense_to_chunks(jnp.asarray(np.asarray(a, np.float64))[None], 64)[:, 0]
+              for n, a in (("Aqk", Aqk), ("Y", Y), ("QG", QG), ("KG", KG), ("do", do))}  # [nc, HV, C, .]
+        dS = jnp.asarray(np.asarray(dht, np.float64))
+        dh, dR = [None] * nc, [None] * nc
+        for c in reversed(range(nc)):
+            dh[c] = dS
+            _, dS0_o, _, dR_o = o_bwd(ch["QG"][c], jnp.zeros_like(dS), ch["Aqk"][c], ch["do"][c], ch["do"][c])
+            dS, dR[c] = state_bwd_recurrent(ch["Y"][c], ch["KG"][c], jnp.asarray(gam[c], jnp.float64), dR_o, dS0_o,
+                                            dS)
+        dv = np.asarray(layout.dense_from_chunks(jnp.stack(dR)[:, None], L)[0])
+        return np.asarray(jnp.stack(dh)), dv, np.asarray(dS)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_dstate_launch_vs_xla_twin(varlen):
+    """``kernels/chunk_bwd.py`` (the reverse state-gradient pass, not yet wired into the VJP), fed the forward
+    launch's own scratch (Aqk + AqkL, Y, QG, KG, GAM) and random dO / dht, against the fp64 twin on the same values:
+    every chunk's end-state gradient ``dh``, ``dv`` (= dR) and ``dh0``; NaN-poisoned outputs; bit-identical reruns.
+    Dense T = 200 (a partial last chunk) and packed sequences of 0, 70, 130 tokens."""
+    import torch
+
+    from kernels import registry, torch_api
+    from kernels.chunk_bwd import chunk_dstate_pipeline
+
+    H, HV, K_, V_ = 2, 4, 128, 128
+    cu = [0, 0, 70, 200] if varlen else None
+    B, T, N = (1, 200, 3) if varlen else (2, 200, 2)
+    x = _gpu_inputs(21, B, T, H, HV, K_, V_, False, "spec")
+    x["h0"] = np.random.default_rng(22).standard_normal((N, HV, K_, V_)).astype(np.float32)
+    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
+                          use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)
+    t = {n: _torch(a) for n, a in x.items()}
+    if varlen:
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    fwd = torch_api.run_pipeline(registry.get("chunk_gdn2").pipeline(**cfg), t, return_scratch=True)
+    rng = np.random.default_rng(23)
+    do = _bf16(rng.standard_normal((B, T, HV, V_)))
+    dht = rng.standard_normal((N, HV, K_, V_)).astype(np.float32)
+    pipe = chunk_dstate_pipeline(HV=HV, K=K_, V=V_, dtype="bfloat16", use_dht=True, varlen=varlen)
+    ins = {n: fwd[n] for n in ("Aqk", "AqkL", "Y", "QG", "KG", "GAM")}
+    ins.update(do=_torch(do), dht=_torch(dht))
+    if varlen:
+        ins["cu_seqlens"] = t["cu_seqlens"]
+    shapes = pipe.buffer_shapes({n: tuple(a.shape) for n, a in ins.items()})
+
+    def run():
+        out = {b.name: torch.full(shapes[b.name], float("nan"), device="cuda") for b in pipe.outputs}
+        return torch_api.run_pipeline(pipe, ins, out=out)
+
+    r1, r2 = run(), run()
+    torch.cuda.synchronize()
+    for n in ("dh", "dv", "dh0"):
+        assert torch.equal(r1[n], r2[n]), n
+    got = {n: _np(r1[n]) for n in ("dh", "dv", "dh0")}
+    sc = {n: _np(fwd[n]) for n in ("Aqk", "AqkL", "Y", "QG", "KG", "GAM")}
+    aqk = sc["Aqk"].astype(np.float64) + sc["AqkL"]
+    starts = cu[:-1] if varlen else [0] * N
+    lens = np.diff(cu) if varlen else [T] * N
+    for n_ in range(N):
+        bb, s0, L = (0 if varlen else n_), starts[n_], lens[n_]
+        nc = -(-L // 64)
+        slot0 = n_ + s0 // 64 if varlen else 0
+        if L == 0:  # an empty sequence: dh0 is its dht
+            np.testing.assert_array_equal(got["dh0"][n_], dht[n_])
+            continue
+        tk = slice(s0, s0 + L)
+        dh, dv, dh0 = _dstate_twin(aqk[bb, tk], sc["Y"][bb, tk], sc["QG"][bb, tk], sc["KG"][bb, tk],
+                                   sc["GAM"][bb, slot0:slot0 + nc], np.asarray(do[bb, tk], np.float32), dht[n_])
+        for name, a, ref in (("dh", got["dh"][bb, slot0:slot0 + nc], dh), ("dv", got["dv"][bb, tk], dv),
+                             ("dh0", got["dh0"][n_], dh0)):
+            r = _gpu_rms(a, ref)
+            assert r <= 1e-2, (n_, name, r)

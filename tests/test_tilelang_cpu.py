@@ -308,6 +308,12 @@ def _kernels_to_build():
         H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5, use_initial_state=True,
         output_final_state=True, varlen=True, use_qk_l2norm=False, tf32_round=True, exact_self=True,
         aqk_split=True)))
+    from kernels.chunk_bwd import chunk_dstate_pipeline  # the reverse state-gradient pass (issue 7, not wired yet)
+
+    out.append(("chunk-dstate-dense", chunk_dstate_pipeline(HV=4, K=128, V=128, dtype="bfloat16", use_dht=True,
+                                                            varlen=False)))
+    out.append(("chunk-dstate-varlen-fp16-k64", chunk_dstate_pipeline(HV=4, K=64, V=64, dtype="float16",
+                                                                      use_dht=False, varlen=True, aqk_split=False)))
     return out
 
 

@@ -33,7 +33,7 @@ from .chunk_delta_h import state_bwd_parallel, state_bwd_recurrent, state_fwd
 from .chunk_intra import intra_bwd, intra_fwd, solve_bwd, solve_fwd
 from .chunk_o import o_bwd, o_fwd
 from .common import prepare_qk
-from .cumsum import chunk_gates, chunk_local_cumsum_bwd
+from .cumsum import SUB, chunk_gates, chunk_local_cumsum_bwd
 from .wy_fast import wy_bwd, wy_fwd
 
 __all__ = ["CHUNK_SIZE", "chunk_forward", "naive_chunk_forward", "chunk_fwd_one", "chunk_bwd_one", "intra_stage"]
@@ -44,9 +44,15 @@ CHUNK_SIZE = CHUNK
 # --------------------------------------------------------------------------------------------------
 # One chunk
 # --------------------------------------------------------------------------------------------------
+# Pairwise decays of the intra stage in FLA's sub-chunk factored form (``cumsum.SubGates``: matmuls plus 16 x 16
+# diagonal blocks) instead of a dense [C, C, K] factor. Equal to rounding (tests/test_stages.py); off until it is
+# measured on a GPU (the benchmark of record describes the dense form).
+_FACTORED_INTRA = False
+
+
 def _stages_fwd(q, k, v, g, b, w, scale):
     """Stages 1-3 of one chunk (everything that does not depend on the start state)."""
-    gates = chunk_gates(g)
+    gates = chunk_gates(g, factored=_FACTORED_INTRA)
     Aqk, T = intra_fwd(q, k, b, gates, scale)
     A = solve_fwd(T)
     return gates, Aqk, A, wy_fwd(A, q, k, v, b, w, gates, scale)
@@ -111,18 +117,21 @@ def _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset, *, remat=False):
     return ys
 
 
-# Bytes of one [C, C, K] decay-weighted temporary (intra stage) allowed per batch of (chunk, sequence, head)
-# problems in the chunk-parallel parts (lax.map batches); one batch holds all of them when they fit.
+# Bytes of one decay-weighted temporary of the intra stage ([C, C, K] dense, [C/16, C, K] factored) allowed per
+# batch of (chunk, sequence, head) problems in the chunk-parallel parts (lax.map batches); one batch holds all of
+# them when they fit. Several such temporaries are alive at once, so the peak is a few times this.
 _BATCH_BYTES = 1 << 30
 
 
 def _chunk_map(f, xs):
     """``f`` over the chunk-major arrays ``xs`` (each ``[NC, B, HV, ...]``), one (chunk, sequence, head) problem per
-    row: the three leading axes are flattened and mapped in batches (``lax.map``) sized by :data:`_BATCH_BYTES`
-    (``f`` sees ``[rows, ...]``), and the results are reshaped back to ``[NC, B, HV, ...]``."""
+    row: the three leading axes are flattened to ``rows`` and mapped in batches (``lax.map``, which vmaps ``f`` over
+    each batch) sized by :data:`_BATCH_BYTES`; the stages take any leading dims. Results are reshaped back to
+    ``[NC, B, HV, ...]``."""
     NC, B, HV, C, K = xs[0].shape
     n = NC * B * HV
-    rows = int(max(1, min(n, _BATCH_BYTES // (C * C * K * jnp.dtype(xs[0].dtype).itemsize))))
+    pair = (C // SUB if _FACTORED_INTRA and C % SUB == 0 else C) * C * K * jnp.dtype(xs[0].dtype).itemsize
+    rows = int(max(1, min(n, _BATCH_BYTES // pair)))
     flat = tuple(x.reshape((n,) + x.shape[3:]) for x in xs)
     out = f(flat) if rows == n else lax.map(f, flat, batch_size=rows)
     return jax.tree_util.tree_map(lambda y: y.reshape((NC, B, HV) + y.shape[1:]), out)

@@ -15,6 +15,10 @@ Backward, from the cotangents dAqk (of the scaled score) and dT::
 
 and the solve's: ``dT = -tril(A^T dA A^T, -1)``.
 
+With ``cumsum.chunk_gates(g, factored=True)`` the three decay-weighted products run in FLA's sub-chunk form (two
+matmuls per 16-row sub-chunk below the diagonal, exact 16 x 16 diagonal blocks) instead of over a dense
+``[C, C, K]`` factor; same values up to rounding.
+
 Kernel twin: ``kernels/chunk_fwd.py`` launch 1 (``gdn2_chunk_intra``) stores ``Aqk`` ``[B, T, HV, 64]`` (input
 dtype) and keeps T and A on chip. Shapes below: leading ``...`` are batch dims (chunks, sequences, heads).
 """
@@ -24,9 +28,57 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .common import ein, masks
-from .cumsum import Gates
+from .cumsum import Gates, SubGates
 
 __all__ = ["intra_fwd", "intra_bwd", "solve_fwd", "solve_bwd", "unit_lower_inverse"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The three decay-weighted pairwise products, dense (Gam [..., C, C, K]) or sub-chunk factored (cumsum.SubGates):
+#   scores(X, Y)_rs = sum_d X_rd Y_sd Gam_rsd,  rows(M, Y)_rd = sum_s M_rs Y_sd Gam_rsd,  cols(M, X)_sd = sum_r ...
+# The factored form is two matmuls per sub-chunk for the blocks below the diagonal plus exact S x S blocks.
+# ------------------------------------------------------------------------------------------------------------------
+def _blocks(x, NS):
+    """[..., C, D] -> [..., NS, S, D]."""
+    return x.reshape(x.shape[:-2] + (NS, x.shape[-2] // NS, x.shape[-1]))
+
+
+def _embed(NS, S, dtype):
+    """One-hot E [NS, S, C]: E[i, s, c] = (c == i S + s) (places / picks the diagonal S x S blocks)."""
+    return (jnp.arange(NS * S)[None, None, :] == (S * jnp.arange(NS)[:, None, None] + jnp.arange(S)[None, :, None])
+            ).astype(dtype)
+
+
+def _scores(X, Y, Gam):
+    if not isinstance(Gam, SubGates):
+        return ein("...rd,...sd,...rsd->...rs", X, Y, Gam)
+    NS, S = Gam.diag.shape[-4:-2]
+    off = ein("...irk,...isk->...irs", _blocks(X * Gam.lead, NS), Y[..., None, :, :] * Gam.back)
+    diag = ein("...ird,...isd,...irsd->...irs", _blocks(X, NS), _blocks(Y, NS), Gam.diag)
+    full = off + ein("...irs,isc->...irc", diag, _embed(NS, S, X.dtype))
+    return full.reshape(X.shape[:-1] + (NS * S,))
+
+
+def _rows(M, Y, Gam):
+    if not isinstance(Gam, SubGates):
+        return ein("...rs,...sd,...rsd->...rd", M, Y, Gam)
+    NS, S = Gam.diag.shape[-4:-2]
+    Mb = _blocks(M, NS)                                                     # [..., NS, S, C]
+    Md = ein("...irc,isc->...irs", Mb, _embed(NS, S, M.dtype))              # the diagonal blocks
+    off = ein("...irs,...isk->...irk", Mb, Y[..., None, :, :] * Gam.back) * _blocks(Gam.lead, NS)
+    diag = ein("...irs,...isd,...irsd->...ird", Md, _blocks(Y, NS), Gam.diag)
+    return (off + diag).reshape(Y.shape)
+
+
+def _cols(M, X, Gam):
+    if not isinstance(Gam, SubGates):
+        return ein("...rs,...rd,...rsd->...sd", M, X, Gam)
+    NS, S = Gam.diag.shape[-4:-2]
+    Mb = _blocks(M, NS)
+    Md = ein("...irc,isc->...irs", Mb, _embed(NS, S, M.dtype))
+    off = jnp.sum(ein("...irs,...irk->...isk", Mb, _blocks(X * Gam.lead, NS)) * Gam.back, axis=-3)
+    diag = ein("...irs,...ird,...irsd->...isd", Md, _blocks(X, NS), Gam.diag)
+    return off + diag.reshape(X.shape)
 
 
 def intra_fwd(q, k, b, gates: Gates, scale: float):
@@ -36,8 +88,8 @@ def intra_fwd(q, k, b, gates: Gates, scale: float):
     lower triangular.
     """
     strict = masks(q.shape[-2])[1]
-    Aqk = scale * ein("...rd,...sd,...rsd->...rs", q, k, gates.Gam)
-    T = ein("...rd,...sd,...rsd->...rs", b * k, k, gates.Gam) * strict.astype(q.dtype)
+    Aqk = scale * _scores(q, k, gates.Gam)
+    T = _scores(b * k, k, gates.Gam) * strict.astype(q.dtype)
     return Aqk, T
 
 
@@ -45,10 +97,10 @@ def intra_bwd(q, k, b, gates: Gates, dAqk, dT, scale: float):
     """Backward of :func:`intra_fwd`: cotangents dAqk, dT ``[..., C, C]`` (dAqk of the *scaled* score, masked to
     s <= r; dT strictly lower). Returns ``(dq, dk, db, dG)`` ``[..., C, K]``: the scores' shares of the gradients
     w.r.t. q, k, b and the cumulative decay G."""
-    dq = scale * ein("...rs,...sd,...rsd->...rd", dAqk, k, gates.Gam)
-    dk_aqk = scale * ein("...rs,...rd,...rsd->...sd", dAqk, q, gates.Gam)
-    P = ein("...rs,...sd,...rsd->...rd", dT, k, gates.Gam)          # row side of T
-    Qcol = ein("...rs,...rd,...rsd->...sd", dT, b * k, gates.Gam)   # column side of T
+    dq = scale * _rows(dAqk, k, gates.Gam)
+    dk_aqk = scale * _cols(dAqk, q, gates.Gam)
+    P = _rows(dT, k, gates.Gam)          # row side of T
+    Qcol = _cols(dT, b * k, gates.Gam)   # column side of T
     db = k * P
     dk = b * P + dk_aqk + Qcol
     dG = q * dq + b * k * P - k * (dk_aqk + Qcol)

@@ -8,6 +8,15 @@ Per chunk of C rows, with g ``[..., C, K]`` the natural-log decay (float32, or f
 
 Backward: ``dg_t = sum_{r >= t} dG_r`` within the chunk (``chunk_local_cumsum(..., reverse=True)``).
 
+``chunk_gates(g, factored=True)`` replaces the dense ``[..., C, C, K]`` Gam by its sub-chunk factorisation
+(:class:`SubGates`, FLA's sub-chunk form; chunks of C = NS * S rows, sub-chunks of S = 16): for r in sub-chunk i and
+s in an earlier one, with a = iS - 1 the last row before sub-chunk i::
+
+    Gam_rs = exp(G_r - G_a) * exp(G_a - G_s) = lead_r * back[i]_s       (both factors <= 1)
+
+and the S x S diagonal blocks stay exact (``diag``). Each exponent is a same-sign sum from the anchor (a cumulative
+sum within the sub-chunk, a reverse one before it), never a difference of chunk-level cumulative sums.
+
 Kernel twin: the cumsum inside ``kernels/chunk_fwd.py`` launch 1 (``gdn2_chunk_intra``), which stores
 ``GAM = gamC`` (float32, ``[B, NT, HV, K]``). FLA keeps G in base 2 (times log2 e) and uses ``exp2``; here base e.
 """
@@ -22,7 +31,9 @@ from jax import lax
 
 from .common import masks
 
-__all__ = ["Gates", "chunk_gates", "segment_sums", "chunk_local_cumsum_bwd"]
+__all__ = ["Gates", "SubGates", "SUB", "chunk_gates", "sub_gates", "segment_sums", "chunk_local_cumsum_bwd"]
+
+SUB = 16  # rows per sub-chunk of the factored pairwise decays
 
 
 class Gates(NamedTuple):
@@ -32,7 +43,15 @@ class Gates(NamedTuple):
     gam: jax.Array   # [..., C, K] exp(G)
     gamC: jax.Array  # [..., K] exp(G_C), G_C the last row (padding rows have g = 0)
     tail: jax.Array  # [..., C, K] exp(G_C - G_r)
-    Gam: jax.Array   # [..., C, C, K] exp(G_r - G_s) for s <= r, exactly 0 above the diagonal
+    Gam: object      # [..., C, C, K] exp(G_r - G_s) for s <= r, exactly 0 above the diagonal; or its SubGates
+
+
+class SubGates(NamedTuple):
+    """Sub-chunk factorisation of Gam (module docstring); NS = C / S sub-chunks of S rows."""
+
+    lead: jax.Array  # [..., C, K] exp(G_r - G_a(r)), a(r) the last row before r's sub-chunk
+    back: jax.Array  # [..., NS, C, K] exp(G_a - G_s) for s <= a = iS - 1 (s before sub-chunk i), else exactly 0
+    diag: jax.Array  # [..., NS, S, S, K] exp(G_r - G_s) within sub-chunk i for s <= r, else exactly 0
 
 
 def segment_sums(g):
@@ -50,17 +69,43 @@ def segment_sums(g):
     return lax.associative_scan(jnp.add, terms, axis=terms.ndim - 3)
 
 
-def chunk_gates(g) -> Gates:
+def _masked_exp(mask, x):
+    """exp(x) where ``mask``, exactly 0 elsewhere; the exponent is masked before exp (no exp of a positive)."""
+    return jnp.exp(jnp.where(mask, x, 0.0)) * mask.astype(x.dtype)
+
+
+def sub_gates(g, S: int = SUB) -> SubGates:
+    """The :class:`SubGates` of g ``[..., C, K]`` (C a multiple of S)."""
+    C, K = g.shape[-2:]
+    NS = C // S
+    gs = g.reshape(g.shape[:-2] + (NS, S, K))
+    lead = jnp.exp(jnp.cumsum(gs, axis=-2)).reshape(g.shape)
+    before = (jnp.arange(C)[None, :] < S * jnp.arange(NS)[:, None])[:, :, None]  # [NS, C, 1]: t before sub-chunk i
+    terms = jnp.where(before, g[..., None, :, :], 0.0)                            # [..., NS, C, K]
+    incl_rev = jnp.flip(jnp.cumsum(jnp.flip(terms, -2), axis=-2), -2)             # sum_{t >= s, t < iS} g_t
+    excl = jnp.concatenate([incl_rev[..., 1:, :], jnp.zeros_like(incl_rev[..., :1, :])], axis=-2)  # t > s
+    incl = masks(S)[0][:, :, None]
+    return SubGates(lead=lead, back=_masked_exp(before, excl), diag=_masked_exp(incl, segment_sums(gs)))
+
+
+def chunk_gates(g, factored: bool = False) -> Gates:
     """Forward of the stage: every decay factor of one chunk from g ``[..., C, K]`` (see the module docstring).
 
     The pairwise exponent is masked *before* ``exp`` (never ``exp`` of a positive number), so g down to -60 per
-    token neither overflows nor produces NaN gradients.
+    token neither overflows nor produces NaN gradients. ``factored`` (used when C is a multiple of :data:`SUB`)
+    gives ``Gam`` as :class:`SubGates` instead of the dense ``[..., C, C, K]`` factor.
     """
     G = jnp.cumsum(g, axis=-2)
+    C = g.shape[-2]
+    if factored and C % SUB == 0:
+        # tail_r = exp(G_C - G_r), a reverse same-sign sum (no difference of cumulative sums)
+        rev = jnp.flip(jnp.cumsum(jnp.flip(g, -2), axis=-2), -2)  # sum_{t >= r} g_t
+        tail = jnp.exp(jnp.concatenate([rev[..., 1:, :], jnp.zeros_like(rev[..., :1, :])], axis=-2))
+        return Gates(G=G, gam=jnp.exp(G), gamC=jnp.exp(G[..., -1, :]), tail=tail, Gam=sub_gates(g))
     D = segment_sums(g)
-    incl = masks(g.shape[-2])[0][:, :, None]
-    Gam = jnp.exp(jnp.where(incl, D, 0.0)) * incl.astype(D.dtype)
-    return Gates(G=G, gam=jnp.exp(G), gamC=jnp.exp(G[..., -1, :]), tail=jnp.exp(D[..., -1, :, :]), Gam=Gam)
+    incl = masks(C)[0][:, :, None]
+    return Gates(G=G, gam=jnp.exp(G), gamC=jnp.exp(G[..., -1, :]), tail=jnp.exp(D[..., -1, :, :]),
+                 Gam=_masked_exp(incl, D))
 
 
 def chunk_local_cumsum_bwd(dG):
