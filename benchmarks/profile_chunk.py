@@ -84,32 +84,41 @@ def time_grid(variants, shapes=None):
     return rows
 
 
-def train_grid(variants=("dense", "factored"), shapes=None):
-    """The benchmark's training step (``bench_lib.jax_train_fn``: the tilelang forward, the xla VJP) with the intra
-    stage's pairwise decays dense or sub-chunk factored (``gdn2_jax.xla.chunk._FACTORED_INTRA``), on the grid:
-    host-loop ms and XLA's compiled memory per variant, FLA's forward + backward (do_bench) in the same process;
-    one ``TRAIN {...}`` JSON line per shape."""
+TRAIN_VARIANTS = {  # name -> (backward kernels, factored intra decays)
+    "dense": (False, False), "factored": (False, True), "kernel": (True, True)}
+
+
+def train_grid(variants=("dense", "factored", "kernel"), shapes=None):
+    """The benchmark's training step (``bench_lib.jax_train_fn``, the tilelang forward) per variant of
+    :data:`TRAIN_VARIANTS`: the xla VJP recomputing the forward with the intra stage's pairwise decays dense or
+    sub-chunk factored (``gdn2_jax.xla.chunk._FACTORED_INTRA``), or the backward kernels
+    (``gdn2_jax._tilelang.KERNEL_BACKWARD``), on the grid: host-loop ms and XLA's compiled memory per variant,
+    FLA's forward + backward (do_bench) in the same process; one ``TRAIN {...}`` JSON line per shape."""
     import torch
 
     from benchmarks import bench_lib as L
     from benchmarks.bench import PREFILL_GRID
+    from gdn2_jax import _tilelang
     from gdn2_jax.xla import chunk as xla_chunk
 
+    default = (_tilelang.KERNEL_BACKWARD, xla_chunk._FACTORED_INTRA)
     for B, T, H in shapes or PREFILL_GRID:
         x = L.torch_inputs(B, T, H, H, seed=0, h0=False)
         do = L.randn((B, T, H, L.D), 1)
         jx = [L.to_jax(x[n]) for n in L.ARGS] + [L.to_jax(do)]
         row = {"B": B, "T": T, "H": H}
         for name in variants:
-            xla_chunk._FACTORED_INTRA = name == "factored"
+            _tilelang.KERNEL_BACKWARD, xla_chunk._FACTORED_INTRA = TRAIN_VARIANTS[name]
+            _tilelang._make_op.cache_clear()
             try:
-                f = L.jax_train_fn()  # a fresh jit: traced with the switch as set now
+                f = L.jax_train_fn()  # a fresh jit: traced with the switches as set now
                 row[f"{name}:peak_MiB"] = L.jax_compiled_memory(f, *jx)["total_MiB"]
                 row[f"{name}:ms"] = L.host_ms(lambda: f(*jx), L.jax_sync, target_s=0.1)[0]
             except Exception as e:  # pragma: no cover
                 row[f"{name}:error"] = repr(e)[:200]
             finally:
-                xla_chunk._FACTORED_INTRA = False
+                _tilelang.KERNEL_BACKWARD, xla_chunk._FACTORED_INTRA = default
+                _tilelang._make_op.cache_clear()
         try:
             from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
             from triton.testing import do_bench
@@ -137,12 +146,12 @@ def main(argv=None):
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--variants", default=None,
                     help="comma-separated VARIANTS keys (default: --time default,exact_diag,bv64; "
-                         "--accuracy default,exact_diag,exact_self)")
+                         "--accuracy default,exact_diag,exact_self; --train dense,factored,kernel)")
     ap.add_argument("--accuracy", action="store_true")
-    ap.add_argument("--train", action="store_true", help="training step, dense vs factored intra decays (xla VJP)")
+    ap.add_argument("--train", action="store_true", help="training step: xla VJP (dense / factored intra decays) vs backward kernels")
     a = ap.parse_args(argv)
     if a.train:
-        train_grid()
+        train_grid(tuple((a.variants or "dense,factored,kernel").split(",")))
         return
     if a.accuracy:
         accuracy((a.variants or "default,exact_diag,exact_self").split(","))

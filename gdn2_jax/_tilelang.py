@@ -119,11 +119,13 @@ def _prime_run(pipe: Pipeline, inputs: dict, arch: str) -> None:
 
 
 def run_pipeline(pipe: Pipeline, inputs: dict, *, arch: str | None = None, inplace: bool = False,
-                 register_targets: bool | None = None, cuda_graph: bool = False) -> dict:
+                 register_targets: bool | None = None, cuda_graph: bool = False,
+                 return_scratch: bool = False) -> dict:
     """Stage ``pipe`` on JAX arrays ``inputs`` (name -> array); return ``{output name: array}``.
 
     Shapes are static at trace time; everything runs as custom calls on XLA's stream. ``inplace`` passes the
-    pipeline's aliases (output -> input) as ``input_output_aliases``.
+    pipeline's aliases (output -> input) as ``input_output_aliases``. ``return_scratch`` also returns the scratch
+    buffers (the training forward keeps them as residuals for the backward kernels).
     """
     arch = arch or default_arch()
     if register_targets is None:
@@ -156,7 +158,7 @@ def run_pipeline(pipe: Pipeline, inputs: dict, *, arch: str | None = None, inpla
                                 input_output_aliases=aliases or None)(*ops)
         for r, val in zip(results, outs):
             vals[r] = val
-    return {b.name: vals[b.name] for b in pipe.outputs}
+    return {b.name: vals[b.name] for b in tuple(pipe.outputs) + (tuple(pipe.scratch) if return_scratch else ())}
 
 
 # ------------------------------------------------------------------------------------------ the op implementation
@@ -273,8 +275,60 @@ def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bo
                 out[i] = jnp.zeros_like(arrays[i])
         return tuple(out)
 
+    if op.backward is not None and KERNEL_BACKWARD and not inplace:
+        f_fwd, f_bwd = _kernel_vjp(p, op, names, dict(cfg), out_names, cuda_graph)
     f.defvjp(f_fwd, f_bwd)
     return f
+
+
+# Whether ops with backward kernels (``registry.KernelOp.backward``) train through them: the forward saves its
+# states and scratch, the reverse state pass runs as a kernel and the chunk-parallel rest in jnp
+# (``gdn2_jax.xla.chunk.chunk_backward_from_states``). False: the xla VJP recomputing the forward (sessions 1-5;
+# ``benchmarks/profile_chunk.py --train`` compares both). Read when an op's function is built (``_make_op`` is
+# memoised: clear its cache after changing this).
+KERNEL_BACKWARD = True
+
+
+def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple, cuda_graph: bool):
+    """``(f_fwd, f_bwd)`` of ``chunk_gdn2`` with its backward kernels (see :data:`KERNEL_BACKWARD`).
+
+    Residuals: the inputs, the forward's scratch that the reverse state pass reads (Aqk (+ AqkL), Y, QG, KG, GAM)
+    and the chunk start states ``h`` and ``v_new`` (fp32). Under ``jax.vmap`` the custom calls run once per
+    mapped problem (``vmap_method="sequential"``); the jnp part is batched as usual.
+    """
+    from .xla import chunk as xla_chunk
+
+    train = op.pipeline(**cfg, save_states=True)
+    bwd = op.backward_pipeline(**cfg)
+    sc = tuple(n for n in bwd.inputs if n not in ("do", "dht", "cu_seqlens"))
+    varlen = "cu_seqlens" in names
+    d = p.dims
+
+    def f_fwd(*arrays):
+        res = run_pipeline(train, dict(zip(names, arrays)), cuda_graph=cuda_graph, return_scratch=True)
+        return tuple(res[n] for n in out_names), (arrays, {n: res[n] for n in sc + ("h", "v_new")})
+
+    def f_bwd(resid, cts):
+        arrays, saved = resid
+        a = dict(zip(names, arrays))
+        ins = {n: saved[n] for n in sc}
+        ins["do"] = cts[0]
+        if "dht" in bwd.inputs:
+            ins["dht"] = cts[1]
+        if varlen:
+            ins["cu_seqlens"] = a["cu_seqlens"]
+        r = run_pipeline(bwd, ins, cuda_graph=cuda_graph)
+        grads = xla_chunk.chunk_backward_from_states(
+            d.scale, d.HV // d.H, p.use_qk_l2norm_in_kernel, a["q"], a["k"], a["v"], a["g"], a["b"], a["w"],
+            a.get("cu_seqlens"), saved["h"], saved["v_new"], r["dh"], r["dv"], cts[0])
+        full = dict(zip(("q", "k", "v", "g", "b", "w"), grads))
+        if "h0" in a:
+            full["h0"] = r["dh0"].astype(a["h0"].dtype)
+        if varlen:
+            full["cu_seqlens"] = np.zeros(a["cu_seqlens"].shape, jax.dtypes.float0)
+        return tuple(full[n] for n in names)
+
+    return f_fwd, f_bwd
 
 
 def forward(p: Problem, q, k, v, g, b, w, initial_state, cu_seqlens, poison=None, ssm_state_indices=None,

@@ -79,10 +79,18 @@ def _sweep() -> list[dict]:
     return [dict(cfg(32, 32, 128), inplace_state=True, block_v=bv, threads=th) for bv, th in TUNING_TILES]
 
 
-def _job(name, kw, index, arch):
+def _pipe(name, kw, part):
+    """``part``: "fwd" (the op's pipeline), "train" (its forward with ``save_states``) or "bwd" (its backward)."""
+    op = registry.get(name)
+    if part == "bwd":
+        return op.backward_pipeline(**kw)
+    return op.pipeline(**(dict(kw, save_states=True) if part == "train" else kw))
+
+
+def _job(name, kw, part, index, arch):
     from . import _compile
 
-    launch = registry.get(name).pipeline(**kw).launches[index]
+    launch = _pipe(name, kw, part).launches[index]
     t0 = time.time()
     existed = _compile.library_path(launch, arch).exists()
     path = _compile.compile_launch(launch, arch)
@@ -91,21 +99,27 @@ def _job(name, kw, index, arch):
 
 def build(configs, ops, arch, jobs=1, log=print):
     """Compile every launch of every (op, config) (op names from ``kernels.registry``); returns the library paths."""
-    work = []
+    work, seen = [], set()
     for name, kw in itertools.product(ops, configs):
         op = registry.get(name)
         accepted = inspect.signature(registry.resolve(op.factory)).parameters
         if any(k not in accepted for k in kw):  # an option of another op's factory (e.g. block_v)
             continue
-        pipe = op.pipeline(**kw)
-        work += [(name, kw, i, arch) for i in range(len(pipe.launches))]
+        # training kernels (the forward saving its states, the backward) for the plain configurations
+        parts = ("fwd",) + (("train", "bwd") if op.backward and set(kw) <= set(cfg(1, 1, 64)) else ())
+        for part in parts:
+            pipe = _pipe(name, kw, part)
+            for i, la in enumerate(pipe.launches):
+                if la.key not in seen:  # (the training forward shares its first launch with the plain one)
+                    seen.add(la.key)
+                    work.append((name, kw, part, i, arch))
     paths = []
     if jobs <= 1:
         results = (_job(*w) for w in work)
     else:
         ex = cf.ProcessPoolExecutor(jobs)
         results = ex.map(_job, *zip(*work))
-    for (op, kw, i, _), (name, path, existed, dt) in zip(work, results):
+    for (op, kw, _, i, _), (name, path, existed, dt) in zip(work, results):
         log(f"{'cached ' if existed else 'built  '} {dt:6.1f}s {op:21s} {name:28s} {os.path.basename(path)[:60]}")
         paths.append(path)
     return paths

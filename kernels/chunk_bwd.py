@@ -24,9 +24,9 @@ wired into the custom VJP: the tilelang backend's backward is still the xla one.
 from . import registry
 from ._common import CHUNK, drop_params
 from ._pipeline import Buf, Launch, Pipeline
-from .chunk_fwd import num_chunk_slots, seq_span
+from .chunk_fwd import seq_span, sizes_fn
 
-__all__ = ["chunk_dstate_pipeline"]
+__all__ = ["chunk_dstate_pipeline", "chunk_bwd_pipeline"]
 
 _VERSION = 1
 
@@ -116,15 +116,6 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split):
     return drop_params(main, keep)
 
 
-def _sizes_fn(varlen: bool, use_dht: bool):
-    def sizes(shapes):
-        B, Tn = int(shapes["do"][0]), int(shapes["do"][1])
-        N = int(shapes["cu_seqlens"][0]) - 1 if varlen else B
-        return {"B": B, "T": Tn, "N": N, "NT": num_chunk_slots(Tn, N, varlen)}
-
-    return sizes
-
-
 def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool, varlen: bool,
                           aqk_split: bool = True, block_v: int | None = None, stages: int = 2) -> Pipeline:
     """Pipeline of the reverse state-gradient pass (one launch, see the module docstring).
@@ -150,4 +141,15 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
               aqk_split=bool(aqk_split))
     launch = Launch(name="gdn2_chunk_dstate", key=("gdn2_chunk_dstate", _VERSION) + tuple(sorted(kw.items())),
                     build=lambda: _dstate_prim(**kw), args=inputs + tuple(b.name for b in outputs))
-    return Pipeline(inputs=inputs, scratch=(), outputs=outputs, launches=(launch,), sizes=_sizes_fn(varlen, use_dht))
+    return Pipeline(inputs=inputs, scratch=(), outputs=outputs, launches=(launch,), sizes=sizes_fn(varlen, "do"))
+
+
+def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
+                       use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
+                       aqk_split: bool = True, **_forward_options) -> Pipeline:
+    """The backward kernels of ``chunk_gdn2`` for the forward configuration ``registry.config(...)`` (the same
+    keyword arguments as ``chunk_fwd_pipeline``; forward-only tuning options are ignored). Today one launch, the
+    reverse state pass (:func:`chunk_dstate_pipeline`, with the final state's cotangent ``dht`` as an input when the
+    forward outputs ``ht``); the other stages of the backward run in the caller (``gdn2_jax.xla.chunk``)."""
+    return chunk_dstate_pipeline(HV=HV, K=K, V=V, dtype=dtype, use_dht=output_final_state, varlen=varlen,
+                                 aqk_split=aqk_split)

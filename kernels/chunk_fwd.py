@@ -85,6 +85,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
         Y=T.Tensor((B, Tn, HV, K), dtype), U=T.Tensor((B, Tn, HV, V), dtype),
         QG=T.Tensor((B, Tn, HV, K), dtype), KG=T.Tensor((B, Tn, HV, K), dtype), GAM=T.Tensor((B, NT, HV, K), f32),
         o=T.Tensor((B, Tn, HV, V), dtype), ht=T.Tensor((N, HV, K, V), f32),
+        h=T.Tensor((B, NT, HV, K, V), f32), v_new=T.Tensor((B, Tn, HV, V), f32),
     )
     return sig, dict(B=B, T=Tn, NT=NT, NP1=NP1, N=N)
 
@@ -411,7 +412,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
 # ----------------------------------------------------------------------------------------------------------------
 # launch 2: sequential state passing + output
 # ----------------------------------------------------------------------------------------------------------------
-def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_split=False):
+def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_split=False, save_states=False):
     import tilelang.language as T
 
     C = CHUNK
@@ -426,7 +427,8 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
 
     @T.prim_func
     def main(Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], U: sig["U"], QG: sig["QG"], KG: sig["KG"],
-             GAM: sig["GAM"], h0: sig["h0"], cu_seqlens: sig["cu_seqlens"], o: sig["o"], ht: sig["ht"]):
+             GAM: sig["GAM"], h0: sig["h0"], cu_seqlens: sig["cu_seqlens"], o: sig["o"], ht: sig["ht"],
+             h: sig["h"], v_new: sig["v_new"]):
         with T.Kernel(NSEQ * NVB, HV, threads=threads) as (bx, hv):
             n = bx // NVB
             v0 = (bx % NVB) * BV
@@ -458,9 +460,16 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
                     T.copy(AqkL[bb, bos + j * C:bos + j * C + C, hv, :], AsL)
                 T.copy(U[bb, bos + j * C:bos + j * C + C, hv, v0:v0 + BV], Us)
                 T.copy(GAM[bb, sbase + j, hv, :], gs)
+                if save_states:  # the chunk's start state (FLA ``h``), fp32
+                    for i, e in T.Parallel(K, BV):
+                        h[bb, sbase + j, hv, i, v0 + e] = S[i, e]
                 T.copy(S, Sb)
                 T.gemm(Ys, Sb, Rf, clear_accum=True)
                 T.gemm(Qs, Sb, Of, clear_accum=True)
+                if save_states:  # R = U - Y S0 (FLA ``v_new``), fp32, the sequence's rows only
+                    for r, e in T.Parallel(C, BV):
+                        if j * C + r < ln:
+                            v_new[bb, bos + j * C + r, hv, v0 + e] = T.cast(Us[r, e], acc) - Rf[r, e]
                 for r, e in T.Parallel(C, BV):
                     Rb[r, e] = T.if_then_else(j * C + r < ln, T.cast(T.cast(Us[r, e], acc) - Rf[r, e], dtype),
                                               T.cast(0, dtype))
@@ -481,6 +490,7 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
     keep = {"Aqk", "Y", "U", "QG", "KG", "GAM", "o"} | ({"AqkL"} if aqk_split else set())
     keep |= {"h0"} if use_h0 else set()
     keep |= {"ht"} if store_ht else set()
+    keep |= {"h", "v_new"} if save_states else set()
     keep |= {"cu_seqlens"} if varlen else set()
     return drop_params(main, keep)
 
@@ -488,9 +498,10 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
 # ----------------------------------------------------------------------------------------------------------------
 # pipeline factory
 # ----------------------------------------------------------------------------------------------------------------
-def _sizes_fn(varlen: bool):
+def sizes_fn(varlen: bool, first: str = "q"):
+    """A pipeline's ``sizes``: B and T from input ``first`` ``[B, T, ...]``, N, NT (``num_chunk_slots``)."""
     def sizes(shapes):
-        B, Tn = int(shapes["q"][0]), int(shapes["q"][1])
+        B, Tn = int(shapes[first][0]), int(shapes[first][1])
         N = int(shapes["cu_seqlens"][0]) - 1 if varlen else B
         return {"B": B, "T": Tn, "N": N, "NT": num_chunk_slots(Tn, N, varlen)}
 
@@ -501,7 +512,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        block_v: int | None = None, stages: int = 2, intra_threads: int = 256,
                        intra_min_blocks: int = 2, exact_diag: bool = False, exact_self: bool = False,
-                       tf32_round: bool = False, aqk_split: bool = True) -> Pipeline:
+                       tf32_round: bool = False, aqk_split: bool = True, save_states: bool = False) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -519,6 +530,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``aqk_split`` (default on since session 5: Aqk stored as bf16 + its bf16 rounding residual ``AqkL``, a second
     scratch buffer ``[B,T,HV,64]``, and used as two products in launch 2; o's RMS ratio vs fp64 on the spec case
     2.87-2.95e-3 instead of 3.21-3.31e-3, for ~3% more time; off reproduces kernel v5).
+    ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
+    start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names).
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_fwd_pipeline"
@@ -543,7 +556,9 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         Buf("GAM", ("B", "NT", HV, K), "float32"),
     )
     outputs = (Buf("o", ("B", "T", HV, V), dtype),) + (
-        (Buf("ht", ("N", HV, K, V), "float32"),) if output_final_state else ())
+        (Buf("ht", ("N", HV, K, V), "float32"),) if output_final_state else ()) + (
+        (Buf("h", ("B", "NT", HV, K, V), "float32"), Buf("v_new", ("B", "T", HV, V), "float32"))
+        if save_states else ())
     sc = ("Aqk",) + (("AqkL",) if aqk_split else ()) + ("Y", "U", "QG", "KG", "GAM")
 
     kw1 = dict(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale, varlen=bool(varlen),
@@ -560,8 +575,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     )
     kw2 = dict(HV=HV, K=K, V=V, BV=BV, dtype=dtype, use_h0=bool(use_initial_state),
                store_ht=bool(output_final_state), varlen=bool(varlen), stages=int(stages))
-    if aqk_split:
-        kw2.update(aqk_split=True)
+    kw2.update({n: True for n, on in (("aqk_split", aqk_split), ("save_states", save_states)) if on})
     state = Launch(
         name="gdn2_chunk_state_o",
         key=("gdn2_chunk_state_o", _VERSION) + tuple(sorted(kw2.items())),
@@ -570,4 +584,4 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         + tuple(b.name for b in outputs),
     )
     return Pipeline(inputs=inputs, scratch=scratch, outputs=outputs, launches=(intra, state),
-                    sizes=_sizes_fn(varlen))
+                    sizes=sizes_fn(varlen))

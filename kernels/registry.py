@@ -83,10 +83,17 @@ class KernelOp:
     factory: str
     support: Support
     xla: str
+    backward: str | None = None  # factory of the backward kernels (same config; the forward with save_states)
 
     def pipeline(self, **cfg) -> Pipeline:
         """The pipeline for one static configuration (:func:`config` plus factory options); memoised."""
         return _pipeline(self.factory, tuple(sorted(cfg.items())))
+
+    def backward_pipeline(self, **cfg) -> Pipeline:
+        """The backward kernels' pipeline for the forward configuration ``cfg``; ``KeyError`` if the op has none."""
+        if self.backward is None:
+            raise KeyError(f"op {self.name!r} has no backward kernels")
+        return _pipeline(self.backward, tuple(sorted(cfg.items())))
 
 
 @functools.lru_cache(maxsize=512)
@@ -96,7 +103,7 @@ def _pipeline(factory: str, items: tuple) -> Pipeline:
 
 OPS: dict[str, KernelOp] = {op.name: op for op in (
     KernelOp("chunk_gdn2", "kernels.chunk_fwd:chunk_fwd_pipeline", Support(),
-             "gdn2_jax.xla.chunk:chunk_forward"),
+             "gdn2_jax.xla.chunk:chunk_forward", backward="kernels.chunk_bwd:chunk_bwd_pipeline"),
     KernelOp("fused_recurrent_gdn2", "kernels.recurrent_fwd:fused_recurrent_fwd_pipeline",
              Support(K=(16, 32, 64, 128, 256), V=(16, 32, 64, 128, 256)),
              "gdn2_jax.xla.recurrent:recurrent_forward"),

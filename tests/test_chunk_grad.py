@@ -266,13 +266,14 @@ def test_backward_residuals_are_not_per_token_states():
 
 
 @pytest.mark.parametrize("case", ["strong_fp64", "varlen_fp64", "gva_fp32"])
-def test_factored_intra_grads(monkeypatch, case):
-    """The xla VJP with the intra stage's pairwise decays in sub-chunk factored form (``_FACTORED_INTRA``, off by
-    default until measured on a GPU) against the fp64 token loop: g down to -60 per channel (finite everywhere),
-    packed sequences with an empty one, GVA with L2 norm in float32."""
+def test_dense_intra_grads(monkeypatch, case):
+    """The xla VJP with the intra stage's pairwise decays as dense [C, C, K] factors (``_FACTORED_INTRA`` off; the
+    default since session 6 is the sub-chunk factored form, which every other test here runs) against the fp64
+    token loop: g down to -60 per channel (finite everywhere), packed sequences with an empty one, GVA with L2
+    norm in float32."""
     from gdn2_jax.xla import chunk as xla_chunk
 
-    monkeypatch.setattr(xla_chunk, "_FACTORED_INTRA", True)
+    monkeypatch.setattr(xla_chunk, "_FACTORED_INTRA", False)
     if case == "gva_fp32":
         x32 = make_inputs(71, 2, 150, 2, 4, 16, 8, jnp.float32, as_numpy=True)
         with jax.enable_x64(True):
@@ -295,3 +296,52 @@ def test_factored_intra_grads(monkeypatch, case):
         for n in OUT_NAMES:
             assert bool(jnp.all(jnp.isfinite(res[n]))), n
         assert_close(res, ref, TOL64)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_backward_from_kernel_states_equals_xla_vjp(x64, varlen):
+    """``xla.chunk.chunk_backward_from_states`` (the jnp part of the ``backend="tilelang"`` backward), fed the
+    states the kernels save and the reverse state pass computes, laid out as the kernels store them (chunk slots
+    ``[B, NT, HV, K, V]``, varlen slots ``seq + cu[seq] // 64 + j``; token-major R and dR), gives the xla VJP's
+    q, k, v, g, b, w gradients: GVA, L2 norm, a partial last chunk, packed sequences with an empty one."""
+    from gdn2_jax.xla import chunk as xc
+    from gdn2_jax.xla import layout
+
+    C = xc.CHUNK_SIZE
+    cu = jnp.asarray([0, 70, 70, 150], jnp.int32) if varlen else None
+    B, T, N = (1, 150, 3) if varlen else (2, 150, 2)
+    x = make_inputs(81, B, T, 2, 4, 16, 8, jnp.float64, N=N)
+    do, dht = cotangents(x, 9)
+    want = value_and_grads(_xla, x, h0=True, l2=True, cu=cu, seed=9)
+
+    # the kernels' inputs and results, built from the xla passes
+    qh, kh = xc.prepare_qk(x["q"], x["k"], 2, True)
+    ins = (qh, kh) + tuple(x[n] for n in "vgbw")
+    plan = layout.varlen_plan(cu, T, C) if varlen else None
+    to_c = (lambda a: layout.dense_to_chunks(a, C)) if plan is None else (lambda a: layout.varlen_to_chunks(a, plan))
+    from_c = (lambda a: layout.dense_from_chunks(a, T)) if plan is None else (
+        lambda a: layout.varlen_from_chunks(a, plan))
+    xs = [to_c(a) for a in ins]
+    NC = xs[0].shape[0]
+    if plan is None:
+        seq = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[None], (NC, B))
+        reset = jnp.broadcast_to((jnp.arange(NC) == 0)[:, None], (NC, B))
+        dS_end_all = jnp.zeros((NC, B) + dht.shape[1:], dht.dtype).at[-1].set(dht)
+    else:
+        seq, reset = plan.seq[:, None], plan.reset[:, None]
+        last = jnp.where(plan.has, plan.last, NC)  # (no chunk for an empty sequence: dropped)
+        dS_end_all = jnp.zeros((NC, 1) + dht.shape[1:], dht.dtype).at[last, 0].add(dht, mode="drop")
+    S0s, R, dR, dS_end, _ = xc._state_passes_with_grads(x["q"].shape[-1] ** -0.5, *xs, x["h0"], seq, reset,
+                                                        to_c(do), dS_end_all)
+    if plan is None:
+        h, dh = (jnp.moveaxis(a, 0, 1) for a in (S0s, dS_end))
+    else:  # scatter the used chunks into their kernel slots (the rest stays NaN: must not be read)
+        NT = T // C + N
+        sl = jnp.where(plan.real, plan.kslot, NT)
+        h, dh = (jnp.full((1, NT) + a.shape[2:], jnp.nan, a.dtype).at[0, sl].set(a[:, 0], mode="drop")
+                 for a in (S0s, dS_end))
+    got = xc.chunk_backward_from_states(x["q"].shape[-1] ** -0.5, 2, True, *(x[n] for n in "qkvgbw"), cu, h,
+                                        from_c(R), dh, from_c(dR), do)
+    for name, a in zip(("dq", "dk", "dv", "dg", "db", "dw"), got):
+        assert a.dtype == x[name[1]].dtype and a.shape == x[name[1]].shape, name
+        assert rms_ratio(a, want[name]) <= 1e-10, (name, rms_ratio(a, want[name]))

@@ -577,8 +577,8 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen):
 
     r1, r2 = run(), run()
     torch.cuda.synchronize()
-    for n in ("dh", "dv", "dh0"):
-        assert torch.equal(r1[n], r2[n]), n
+    for n in ("dh", "dv", "dh0"):  # (chunk slots no sequence uses stay NaN, in both runs)
+        torch.testing.assert_close(r1[n], r2[n], rtol=0, atol=0, equal_nan=True, msg=n)
     got = {n: _np(r1[n]) for n in ("dh", "dv", "dh0")}
     sc = {n: _np(fwd[n]) for n in ("Aqk", "AqkL", "Y", "QG", "KG", "GAM")}
     aqk = sc["Aqk"].astype(np.float64) + sc["AqkL"]

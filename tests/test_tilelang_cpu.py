@@ -151,6 +151,36 @@ def test_lowering_chunk_custom_calls():
     assert "tensor<2x100x2x128xbf16>" in txt.split("return")[-1] or "2x100x2x128xbf16" in txt
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_lowering_chunk_grad_runs_the_backward_kernels(varlen):
+    """``jax.grad`` through ``backend="tilelang"``: the training forward (its state launch saving h and v_new: a
+    different target than the inference one), the reverse state-pass kernel, no second forward and no sequential
+    jnp state pass (no loop carrying a state) anywhere in the program; GVA, an initial state and the final state's
+    cotangent included."""
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    cu = jnp.asarray([0, 30, 30, 100], jnp.int32) if varlen else None
+
+    def loss(q, k, v, g, b, w, h0):
+        o, ht = gdn2_jax.chunk_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                    backend="tilelang")
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+    B, N = (1, 3) if varlen else (2, 2)
+    txt = _lower(jax.grad(loss, argnums=tuple(range(7))), _specs(B, 100, 2, 4, 128, 128, N=N))
+    targets = re.findall(r"custom_call @(\w+)\(", txt)
+    kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)
+    infer = {_tilelang.target_name(la, "sm_90a") for la in chunk_fwd_pipeline(**kw).launches}
+    train = [_tilelang.target_name(la, "sm_90a") for la in chunk_fwd_pipeline(**kw, save_states=True).launches]
+    bwd = [_tilelang.target_name(la, "sm_90a") for la in registry.get("chunk_gdn2").backward_pipeline(**kw).launches]
+    assert sorted(t.split("_d")[0] if "_d" in t[-6:] else t for t in targets) == sorted(train + bwd), targets
+    assert train[1] not in infer and train[0] in infer  # the intra launch is shared, the state launch is not
+    loops = [l for l in txt.splitlines() if "stablehlo.while" in l]  # (varlen: searchsorted's binary search)
+    assert not [l for l in loops if "128x128xf32" in l], loops  # no loop carries a [K, V] state
+    assert varlen or not loops
+
+
 def test_generic_runner_maps_launches_to_ffi_calls():
     """Launch 1 writes scratch `A` and output `o`; launch 2 updates both in place; launch 3 reads `A` (listed
     first) and writes the new output `p`."""
@@ -308,7 +338,10 @@ def _kernels_to_build():
         H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5, use_initial_state=True,
         output_final_state=True, varlen=True, use_qk_l2norm=False, tf32_round=True, exact_self=True,
         aqk_split=True)))
-    from kernels.chunk_bwd import chunk_dstate_pipeline  # the reverse state-gradient pass (issue 7, not wired yet)
+    out.append(("chunk-train-forward-varlen", registry.get("chunk_gdn2").pipeline(  # save_states: h, v_new
+        H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5, use_initial_state=True,
+        output_final_state=True, varlen=True, use_qk_l2norm=False, save_states=True)))
+    from kernels.chunk_bwd import chunk_dstate_pipeline  # the reverse state-gradient pass
 
     out.append(("chunk-dstate-dense", chunk_dstate_pipeline(HV=4, K=128, V=128, dtype="bfloat16", use_dht=True,
                                                             varlen=False)))

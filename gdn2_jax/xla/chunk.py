@@ -31,12 +31,13 @@ from kernels._common import CHUNK
 from . import layout
 from .chunk_delta_h import state_bwd_parallel, state_bwd_recurrent, state_fwd
 from .chunk_intra import intra_bwd, intra_fwd, solve_bwd, solve_fwd
-from .chunk_o import o_bwd, o_fwd
+from .chunk_o import o_bwd, o_bwd_local, o_fwd
 from .common import prepare_qk
 from .cumsum import SUB, chunk_gates, chunk_local_cumsum_bwd
 from .wy_fast import wy_bwd, wy_fwd
 
-__all__ = ["CHUNK_SIZE", "chunk_forward", "naive_chunk_forward", "chunk_fwd_one", "chunk_bwd_one", "intra_stage"]
+__all__ = ["CHUNK_SIZE", "chunk_forward", "naive_chunk_forward", "chunk_fwd_one", "chunk_bwd_one", "intra_stage",
+           "chunk_backward_from_states"]
 
 CHUNK_SIZE = CHUNK
 
@@ -45,9 +46,9 @@ CHUNK_SIZE = CHUNK
 # One chunk
 # --------------------------------------------------------------------------------------------------
 # Pairwise decays of the intra stage in FLA's sub-chunk factored form (``cumsum.SubGates``: matmuls plus 16 x 16
-# diagonal blocks) instead of a dense [C, C, K] factor. Equal to rounding (tests/test_stages.py); off until it is
-# measured on a GPU (the benchmark of record describes the dense form).
-_FACTORED_INTRA = False
+# diagonal blocks) instead of a dense [C, C, K] factor. Equal to rounding (tests/test_stages.py); on since session 6
+# (GPU training step 1.7-2.1x faster than dense, docs/performance-notes.md).
+_FACTORED_INTRA = True
 
 
 def _stages_fwd(q, k, v, g, b, w, scale):
@@ -117,7 +118,7 @@ def _scan_forward(scale, q, k, v, g, b, w, h0, seq, reset, *, remat=False):
     return ys
 
 
-# Bytes of one decay-weighted temporary of the intra stage ([C, C, K] dense, [C/16, C, K] factored) allowed per
+# Bytes of one decay-weighted temporary of the intra stage ([C, C, K] dense; a quarter of that factored) allowed per
 # batch of (chunk, sequence, head) problems in the chunk-parallel parts (lax.map batches); one batch holds all of
 # them when they fit. Several such temporaries are alive at once, so the peak is a few times this.
 _BATCH_BYTES = 1 << 30
@@ -130,7 +131,9 @@ def _chunk_map(f, xs):
     ``[NC, B, HV, ...]``."""
     NC, B, HV, C, K = xs[0].shape
     n = NC * B * HV
-    pair = (C // SUB if _FACTORED_INTRA and C % SUB == 0 else C) * C * K * jnp.dtype(xs[0].dtype).itemsize
+    # (factored: the [C/16, C, K] factors and the temporaries around them; a quarter of the dense row keeps the
+    # batches at ~2k problems for fp32, which the GPU still fills, instead of all of them at once)
+    pair = C * C * K * jnp.dtype(xs[0].dtype).itemsize // (4 if _FACTORED_INTRA and C % SUB == 0 else 1)
     rows = int(max(1, min(n, _BATCH_BYTES // pair)))
     flat = tuple(x.reshape((n,) + x.shape[3:]) for x in xs)
     out = f(flat) if rows == n else lax.map(f, flat, batch_size=rows)
@@ -182,8 +185,19 @@ def _chunk_core_bwd(scale, res, cts):
     """
     q, k, v, g, b, w, h0, seq, reset = res
     dO, dS_end_all = cts
+    S0s, R, dR, dS_end, dh0_chunks = _state_passes_with_grads(scale, q, k, v, g, b, w, h0, seq, reset, dO,
+                                                              dS_end_all)
+    grads = _local_grads(scale, (q, k, v, g, b, w), S0s, R, dR, dS_end, dO)
+    dh0 = jnp.zeros_like(h0).at[seq.reshape(-1)].add(dh0_chunks.reshape((-1,) + h0.shape[1:]))
+    return (*grads, dh0, None, None)
+
+
+def _state_passes_with_grads(scale, q, k, v, g, b, w, h0, seq, reset, dO, dS_end_all):
+    """Steps 1-3 of :func:`_chunk_core_bwd` (what the kernels compute on the GPU: ``kernels/chunk_fwd.py`` with
+    ``save_states`` and ``kernels/chunk_bwd.py``): the start states S0, R, its gradient dR, every chunk's
+    end-state gradient dS_end and the start-state gradients of the chunks that start from h0."""
     QG, Aqk, Y, KG, gamC, S0s, R, _ = _state_pass(scale, q, k, v, g, b, w, h0, seq, reset)
-    dQG, dS0_o, dAqk, dR_o = o_bwd(QG, S0s, Aqk, R, dO)
+    _, dS0_o, _, dR_o = o_bwd(QG, S0s, Aqk, R, dO)
     # Chunk c's end-state gradient is the next chunk's dS0 unless the next chunk restarts from h0 (sequence
     # boundary), plus any cotangent on S_end[c] itself (final states).
     reset_next = jnp.concatenate([reset[1:], jnp.ones_like(reset[:1])], axis=0)
@@ -196,9 +210,14 @@ def _chunk_core_bwd(scale, res, cts):
 
     _, (dS_end, dR, dh0_chunks) = lax.scan(body, jnp.zeros(S0s.shape[1:], S0s.dtype),
                                            (Y, KG, gamC, dR_o, dS0_o, dS_end_all, reset_next, reset), reverse=True)
-    grads = _chunk_map(lambda x: _bwd_local(*x, scale), (q, k, v, g, b, w, S0s, R, dR, dS_end, dQG, dAqk))
-    dh0 = jnp.zeros_like(h0).at[seq.reshape(-1)].add(dh0_chunks.reshape((-1,) + h0.shape[1:]))
-    return (*grads, dh0, None, None)
+    return S0s, R, dR, dS_end, dh0_chunks
+
+
+def _local_grads(scale, xs, S0s, R, dR, dS_end, dO):
+    """Step 4 of :func:`_chunk_core_bwd`, all chunks at once: the output stage's local shares and
+    :func:`_bwd_local` (chunk-major inputs ``xs = (q, k, v, g, b, w)``); returns ``(dq, dk, dv, dg, db, dw)``."""
+    dQG, dAqk = o_bwd_local(S0s, R, dO)
+    return _chunk_map(lambda x: _bwd_local(*x, scale), (*xs, S0s, R, dR, dS_end, dQG, dAqk))
 
 
 _chunk_core.defvjp(_chunk_core_fwd, _chunk_core_bwd)
@@ -252,6 +271,37 @@ def naive_chunk_forward(p, q, k, v, g, b, w, initial_state, cu_seqlens, poison=N
     ``chunk_size`` from ``p.options`` (clamped to T: a longer chunk is only zero padding)."""
     C = min(int(dict(p.options)["chunk_size"]), max(p.dims.T, 1))
     return _chunked(_naive_core, p, q, k, v, g, b, w, initial_state, cu_seqlens, C, poison)
+
+
+def chunk_backward_from_states(scale, group, use_qk_l2norm_in_kernel, q, k, v, g, b, w, cu_seqlens, h, v_new, dh,
+                               dv_new, do):
+    """The chunk-parallel rest of the ``chunk_gdn2`` backward once the kernels ran both state passes
+    (``backend="tilelang"``: ``kernels/chunk_fwd.py`` with ``save_states``, ``kernels/chunk_bwd.py``).
+
+    Inputs as the op takes them (q, k ``[B, T, H, K]``; v, w ``[B, T, HV, V]``; g, b ``[B, T, HV, K]``;
+    ``cu_seqlens [N + 1]`` or None, then B == 1), the kernels' chunk start states ``h`` and end-state gradients
+    ``dh`` ``[B, NT, HV, K, V]`` (chunk slots, ``kernels.chunk_fwd.num_chunk_slots``), R = ``v_new`` and its full
+    gradient ``dv_new`` ``[B, T, HV, V]``, and ``do`` ``[B, T, HV, V]``. Runs the output stage's local shares
+    (``chunk_o.o_bwd_local``) and :func:`_bwd_local` (stages 1-3 recomputed, FLA's policy) for all chunks, then the
+    transposes of the layout, GVA repeat and L2 norm. Returns ``(dq, dk, dv, dg, db, dw)`` in the inputs' dtypes
+    (math in float32, float64 for float64 inputs). The same formulas as :func:`_chunk_core_bwd`; only S0, R, dR and dS_end come from kernels.
+    """
+    C = CHUNK_SIZE
+    cdt = jnp.promote_types(q.dtype, jnp.float32)
+    plan = None if cu_seqlens is None else layout.varlen_plan(cu_seqlens, q.shape[1], C)
+
+    def to_chunks(x):
+        x = x.astype(cdt)
+        return layout.dense_to_chunks(x, C) if plan is None else layout.varlen_to_chunks(x, plan)
+
+    def prep(q, k, v, g, b, w):
+        qh, kh = prepare_qk(q.astype(cdt), k.astype(cdt), group, use_qk_l2norm_in_kernel)
+        return tuple(to_chunks(x) for x in (qh, kh, v, g, b, w))
+
+    xs, pull = jax.vjp(prep, q, k, v, g, b, w)
+    S0s, dS_end = (layout.slots_to_chunks(x, plan) for x in (h, dh))
+    R, dR, dO = (to_chunks(x) for x in (v_new, dv_new, do))
+    return pull(tuple(_local_grads(scale, xs, S0s, R, dR, dS_end, dO)))
 
 
 def intra_stage(q, k, v, g, b, w, *, scale: float, use_qk_l2norm_in_kernel: bool = False):

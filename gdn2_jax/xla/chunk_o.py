@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .common import ein, masks
 
-__all__ = ["o_fwd", "o_bwd"]
+__all__ = ["o_fwd", "o_bwd", "o_bwd_local"]
 
 
 def o_fwd(QG, S0, Aqk, R):
@@ -27,9 +27,14 @@ def o_fwd(QG, S0, Aqk, R):
 def o_bwd(QG, S0, Aqk, R, dO):
     """Backward of :func:`o_fwd`: returns ``(dQG [..., C, K], dS0_o [..., K, V], dAqk [..., C, C], dR_o [..., C, V])``;
     dAqk is masked to the lower triangle with its diagonal (the entries Aqk can have)."""
-    incl = masks(R.shape[-2])[0].astype(R.dtype)
-    dQG = ein("...rv,...kv->...rk", dO, S0)
+    dQG, dAqk = o_bwd_local(S0, R, dO)
     dS0_o = ein("...rk,...rv->...kv", QG, dO)
-    dAqk = ein("...rv,...sv->...rs", dO, R) * incl
     dR_o = ein("...rs,...rv->...sv", Aqk, dO)
     return dQG, dS0_o, dAqk, dR_o
+
+
+def o_bwd_local(S0, R, dO):
+    """The shares of :func:`o_bwd` that need the chunk's start state and R (the rest are the reverse state pass's):
+    ``(dQG [..., C, K], dAqk [..., C, C])``, dAqk masked to the lower triangle with its diagonal."""
+    incl = masks(R.shape[-2])[0].astype(R.dtype)
+    return ein("...rv,...kv->...rk", dO, S0), ein("...rv,...sv->...rs", dO, R) * incl

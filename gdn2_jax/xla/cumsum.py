@@ -82,10 +82,15 @@ def sub_gates(g, S: int = SUB) -> SubGates:
     lead = jnp.exp(jnp.cumsum(gs, axis=-2)).reshape(g.shape)
     before = (jnp.arange(C)[None, :] < S * jnp.arange(NS)[:, None])[:, :, None]  # [NS, C, 1]: t before sub-chunk i
     terms = jnp.where(before, g[..., None, :, :], 0.0)                            # [..., NS, C, K]
-    incl_rev = jnp.flip(jnp.cumsum(jnp.flip(terms, -2), axis=-2), -2)             # sum_{t >= s, t < iS} g_t
-    excl = jnp.concatenate([incl_rev[..., 1:, :], jnp.zeros_like(incl_rev[..., :1, :])], axis=-2)  # t > s
+    excl = _suffix_sums(terms)                                                     # sum_{s < t < iS} g_t
     incl = masks(S)[0][:, :, None]
     return SubGates(lead=lead, back=_masked_exp(before, excl), diag=_masked_exp(incl, segment_sums(gs)))
+
+
+def _suffix_sums(x):
+    """Exclusive reverse cumsum along the rows (axis -2): ``out_r = sum_{t > r} x_t`` (a same-sign sum)."""
+    incl = chunk_local_cumsum_bwd(x)
+    return jnp.concatenate([incl[..., 1:, :], jnp.zeros_like(incl[..., :1, :])], axis=-2)
 
 
 def chunk_gates(g, factored: bool = False) -> Gates:
@@ -99,8 +104,7 @@ def chunk_gates(g, factored: bool = False) -> Gates:
     C = g.shape[-2]
     if factored and C % SUB == 0:
         # tail_r = exp(G_C - G_r), a reverse same-sign sum (no difference of cumulative sums)
-        rev = jnp.flip(jnp.cumsum(jnp.flip(g, -2), axis=-2), -2)  # sum_{t >= r} g_t
-        tail = jnp.exp(jnp.concatenate([rev[..., 1:, :], jnp.zeros_like(rev[..., :1, :])], axis=-2))
+        tail = jnp.exp(_suffix_sums(g))
         return Gates(G=G, gam=jnp.exp(G), gamC=jnp.exp(G[..., -1, :]), tail=tail, Gam=sub_gates(g))
     D = segment_sums(g)
     incl = masks(C)[0][:, :, None]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from .common import sequence_ids
 
 __all__ = ["dense_to_chunks", "dense_from_chunks", "VarlenPlan", "varlen_plan", "varlen_to_chunks",
-           "varlen_from_chunks"]
+           "varlen_from_chunks", "slots_to_chunks"]
 
 
 def dense_to_chunks(x, C):
@@ -41,6 +41,8 @@ class VarlenPlan(NamedTuple):
     slot: jax.Array   # [T] flat chunk-row (c*C + r) of each token
     last: jax.Array   # [N] last chunk of each sequence (clamped)
     has: jax.Array    # [N] sequence has at least one token
+    kslot: jax.Array  # [NC] the kernels' chunk slot of each chunk (``seq + cu[seq] // C + j``; 0 when unused)
+    real: jax.Array   # [NC] chunk belongs to a sequence (the plan's count is an upper bound)
 
 
 def varlen_plan(cu_seqlens, T: int, C: int) -> VarlenPlan:
@@ -63,7 +65,8 @@ def varlen_plan(cu_seqlens, T: int, C: int) -> VarlenPlan:
     p = jnp.arange(T, dtype=jnp.int32) - cu[st]
     slot = (cch[st] + p // C) * C + p % C
     return VarlenPlan(tok=tok, valid=valid, seq=sc, reset=(j == 0) | ~real, slot=slot,
-                      last=jnp.clip(cch[1:] - 1, 0, NC - 1), has=lens > 0)
+                      last=jnp.clip(cch[1:] - 1, 0, NC - 1), has=lens > 0,
+                      kslot=jnp.where(real, sc + cu[sc] // C + j, 0), real=real)
 
 
 def varlen_to_chunks(x, plan: VarlenPlan):
@@ -78,3 +81,13 @@ def varlen_from_chunks(o, plan: VarlenPlan):
     """[NC, 1, Hh, C, D] -> [1, T, Hh, D]."""
     NC, _, Hh, C, D = o.shape
     return o[:, 0].transpose(0, 2, 1, 3).reshape(NC * C, Hh, D)[plan.slot][None]
+
+
+def slots_to_chunks(x, plan: VarlenPlan | None):
+    """The kernels' per-chunk-slot arrays ``[B, NT, Hh, ...]`` (``kernels.chunk_fwd.num_chunk_slots``) in this
+    module's chunk order ``[NC, B, Hh, ...]``: dense slots are the chunks; varlen chunks read their slot
+    (``plan.kslot``) and unused chunks are zero."""
+    if plan is None:
+        return jnp.moveaxis(x, 1, 0)
+    xc = x[0][plan.kslot]
+    return jnp.where(plan.real.reshape((-1,) + (1,) * (xc.ndim - 1)), xc, jnp.zeros((), x.dtype))[:, None]
