@@ -53,6 +53,55 @@ def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
         print("ACCURACY " + json.dumps(row), flush=True)
 
 
+GRAD_VARIANTS = {  # name -> (backward kernels, their extra options)
+    "xla": (False, {}), "kernel": (True, {}), "split_ds": (True, {"split_ds": True})}
+
+
+def grad_accuracy(variants, seeds=(77, 1, 2), shape=(1, 256, 2)):
+    """RMS ratio vs the fp64 reverse pass of the seven gradients per :data:`GRAD_VARIANTS` entry and FLA, on the
+    benchmark's gradient case (seed 77 is bench.py's ``_acc_train``); one ``GRADACC {...}`` line per seed."""
+    from benchmarks import bench_lib as L
+    from gdn2_jax import _tilelang
+
+    B, T, H = shape
+    D = L.D
+    names = L.ARGS + ("h0",)
+    default = (_tilelang.KERNEL_BACKWARD, dict(_tilelang.KERNEL_BACKWARD_OPTIONS))
+    for seed in seeds:
+        x = L.torch_inputs(B, T, H, H, seed=seed, g_scale=1.0)
+        do = L.randn((B, T, H, D), seed + 1)
+        dht = L.randn((B, H, D, D), seed + 2)
+        ref = L.oracle_grads_fp64({n: L.tnp(x[n]) for n in names}, L.tnp(do), L.tnp(dht), D ** -0.5)
+        row = {"seed": seed}
+        for name in variants:
+            _tilelang.KERNEL_BACKWARD, opts = GRAD_VARIANTS[name]
+            _tilelang.KERNEL_BACKWARD_OPTIONS.clear()
+            _tilelang.KERNEL_BACKWARD_OPTIONS.update(opts)
+            _tilelang._make_op.cache_clear()
+            try:
+                grads = L.jax_grad_with_state_fn()(*[L.to_jax(x[n]) for n in names], L.to_jax(do), L.to_jax(dht))
+                for n, gr in zip(names, grads):
+                    row[f"{name}:d{n}"] = L.rms(L.tnp(gr), ref[f"d{n}"])
+            except Exception as e:  # pragma: no cover
+                row[f"{name}:error"] = repr(e)[:300]
+            finally:
+                _tilelang.KERNEL_BACKWARD = default[0]
+                _tilelang.KERNEL_BACKWARD_OPTIONS.clear()
+                _tilelang.KERNEL_BACKWARD_OPTIONS.update(default[1])
+                _tilelang._make_op.cache_clear()
+        try:
+            from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
+
+            leaves = [x[n].detach().clone().requires_grad_(True) for n in names]
+            o, ht = fla_chunk(*leaves[:6], initial_state=leaves[6], output_final_state=True)
+            ((o.float() * do).sum() + (ht.float() * dht).sum()).backward()
+            for n, p in zip(names, leaves):
+                row[f"fla:d{n}"] = L.rms(L.tnp(p.grad), ref[f"d{n}"])
+        except Exception as e:  # pragma: no cover
+            row["fla_error"] = repr(e)[:200]
+        print("GRADACC " + json.dumps(row), flush=True)
+
+
 def time_grid(variants, shapes=None):
     import torch
     from triton.testing import do_bench
@@ -84,16 +133,53 @@ def time_grid(variants, shapes=None):
     return rows
 
 
-TRAIN_VARIANTS = {  # name -> (backward kernels, factored intra decays)
-    "dense": (False, False), "factored": (False, True), "kernel": (True, True)}
+TRAIN_VARIANTS = {  # name -> (backward kernels, factored intra decays, levels of the factorisation)
+    "dense": (False, False, 1), "factored": (False, True, 1), "kernel": (True, True, 1),
+    "kernel_l2": (True, True, 2)}
 
 
-def train_grid(variants=("dense", "factored", "kernel"), shapes=None):
+def _set_train_variant(switches):
+    """Set the switches of a :data:`TRAIN_VARIANTS` entry (and drop the memoised op functions)."""
+    from gdn2_jax import _tilelang
+    from gdn2_jax.xla import chunk as xla_chunk
+
+    _tilelang.KERNEL_BACKWARD, xla_chunk._FACTORED_INTRA, xla_chunk._FACTORED_LEVELS = switches
+    _tilelang._make_op.cache_clear()
+
+
+def _kernel_totals(fn, top=16):
+    """Device time of one call of ``fn`` per kernel name (CUPTI via torch.profiler, JAX's kernels included):
+    ``{"total_us", "kernels", "top": [[name, us, count], ...]}`` (the ``top`` largest)."""
+    import collections
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:  # (the chrome trace, as decode_paths.trace reads it)
+        prof.export_chrome_trace(f.name)
+        ev = json.load(open(f.name))["traceEvents"]
+    tot, cnt = collections.Counter(), collections.Counter()
+    for e in ev:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            tot[e["name"]] += e["dur"]
+            cnt[e["name"]] += 1
+    return {"total_us": round(sum(tot.values()), 1), "kernels": sum(cnt.values()),
+            "top": [[n[:80], round(t, 1), cnt[n]] for n, t in tot.most_common(top)]}
+
+
+def train_grid(variants=("dense", "factored", "kernel"), shapes=None, trace=False):
     """The benchmark's training step (``bench_lib.jax_train_fn``, the tilelang forward) per variant of
     :data:`TRAIN_VARIANTS`: the xla VJP recomputing the forward with the intra stage's pairwise decays dense or
-    sub-chunk factored (``gdn2_jax.xla.chunk._FACTORED_INTRA``), or the backward kernels
+    sub-chunk factored (``gdn2_jax.xla.chunk._FACTORED_INTRA``, ``_FACTORED_LEVELS``), or the backward kernels
     (``gdn2_jax._tilelang.KERNEL_BACKWARD``), on the grid: host-loop ms and XLA's compiled memory per variant,
-    FLA's forward + backward (do_bench) in the same process; one ``TRAIN {...}`` JSON line per shape."""
+    FLA's forward + backward (do_bench) in the same process; one ``TRAIN {...}`` JSON line per shape. ``trace``:
+    also each variant's device time per kernel name (:func:`_kernel_totals`)."""
     import torch
 
     from benchmarks import bench_lib as L
@@ -101,24 +187,24 @@ def train_grid(variants=("dense", "factored", "kernel"), shapes=None):
     from gdn2_jax import _tilelang
     from gdn2_jax.xla import chunk as xla_chunk
 
-    default = (_tilelang.KERNEL_BACKWARD, xla_chunk._FACTORED_INTRA)
+    default = (_tilelang.KERNEL_BACKWARD, xla_chunk._FACTORED_INTRA, xla_chunk._FACTORED_LEVELS)
     for B, T, H in shapes or PREFILL_GRID:
         x = L.torch_inputs(B, T, H, H, seed=0, h0=False)
         do = L.randn((B, T, H, L.D), 1)
         jx = [L.to_jax(x[n]) for n in L.ARGS] + [L.to_jax(do)]
         row = {"B": B, "T": T, "H": H}
         for name in variants:
-            _tilelang.KERNEL_BACKWARD, xla_chunk._FACTORED_INTRA = TRAIN_VARIANTS[name]
-            _tilelang._make_op.cache_clear()
+            _set_train_variant(TRAIN_VARIANTS[name])
             try:
                 f = L.jax_train_fn()  # a fresh jit: traced with the switches as set now
                 row[f"{name}:peak_MiB"] = L.jax_compiled_memory(f, *jx)["total_MiB"]
                 row[f"{name}:ms"] = L.host_ms(lambda: f(*jx), L.jax_sync, target_s=0.1)[0]
+                if trace:
+                    row[f"{name}:top"] = _kernel_totals(lambda: L.jax_sync(f(*jx)))
             except Exception as e:  # pragma: no cover
                 row[f"{name}:error"] = repr(e)[:200]
             finally:
-                _tilelang.KERNEL_BACKWARD, xla_chunk._FACTORED_INTRA = default
-                _tilelang._make_op.cache_clear()
+                _set_train_variant(default)
         try:
             from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
             from triton.testing import do_bench
@@ -148,10 +234,17 @@ def main(argv=None):
                     help="comma-separated VARIANTS keys (default: --time default,exact_diag,bv64; "
                          "--accuracy default,exact_diag,exact_self; --train dense,factored,kernel)")
     ap.add_argument("--accuracy", action="store_true")
+    ap.add_argument("--grad-accuracy", action="store_true", help="gradient RMS vs fp64 per backward variant")
+    ap.add_argument("--shapes", default=None, help="--train: B,T,H[;B,T,H...] instead of the benchmark grid")
+    ap.add_argument("--trace", action="store_true", help="--train: device time per kernel name too")
     ap.add_argument("--train", action="store_true", help="training step: xla VJP (dense / factored intra decays) vs backward kernels")
     a = ap.parse_args(argv)
+    if a.grad_accuracy:
+        grad_accuracy(tuple((a.variants or "xla,kernel,split_ds").split(",")))
+        return
     if a.train:
-        train_grid(tuple((a.variants or "dense,factored,kernel").split(",")))
+        shapes = None if not a.shapes else [tuple(int(n) for n in t.split(",")) for t in a.shapes.split(";")]
+        train_grid(tuple((a.variants or "dense,factored,kernel").split(",")), shapes, a.trace)
         return
     if a.accuracy:
         accuracy((a.variants or "default,exact_diag,exact_self").split(","))

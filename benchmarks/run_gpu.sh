@@ -11,6 +11,7 @@
 #   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32
 #   ptime   benchmarks/profile_chunk.py --time: each chunk launch of each kernel variant on the grid, FLA alongside
 #   ttime   benchmarks/profile_chunk.py --train: the training step, xla VJP (dense / factored) vs backward kernels
+#   gacc    benchmarks/profile_chunk.py --grad-accuracy: the seven gradients vs fp64 per backward variant, FLA alongside
 #   ncusrc  per-SASS-instruction executed counts of the intra kernel at B4 T4096 H32 ($OUT/intra_sass.csv)
 #   smoke   a quick benchmark run (two shapes per section; SMOKE_SECTIONS, default prefill,decode) into /tmp/smoke
 # Everything logs into $OUT/log.txt; the last lines of each step are echoed (the call returns the tail).
@@ -93,7 +94,13 @@ if has ptime; then
 fi
 if has ttime; then
   step ttime
-  timeout ${T_TTIME:-300} python -m benchmarks.profile_chunk --train ${TRAIN_VARIANTS:+--variants $TRAIN_VARIANTS} 2>&1 | quiet | grep "TRAIN\|Error" | tee -a "$LOG"
+  timeout ${T_TTIME:-300} python -m benchmarks.profile_chunk --train ${TRAIN_VARIANTS:+--variants $TRAIN_VARIANTS} \
+      ${TRAIN_SHAPES:+--shapes "$TRAIN_SHAPES"} ${TRAIN_TRACE:+--trace} 2>&1 | quiet | grep "TRAIN\|Error" | tee -a "$LOG"
+fi
+if has gacc; then
+  step gacc
+  timeout ${T_GACC:-240} python -m benchmarks.profile_chunk --grad-accuracy ${GACC_VARIANTS:+--variants $GACC_VARIANTS} 2>&1 \
+      | quiet | grep "GRADACC\|Error" | tee -a "$LOG"
 fi
 if has ncusrc; then
   step ncusrc

@@ -3,8 +3,10 @@
 * :func:`forward` is the implementation every public op with kernels dispatches to (``gdn2_jax.ops``). It checks
   what the kernels need with the op's support rule (errors name the argument), builds the pipeline for the static
   configuration, folds ``jax.vmap`` into the kernels' batch axis (``jax.custom_batching.custom_vmap``; packed
-  varlen inputs become one longer packed sequence) and is differentiable: the backward is the VJP of the op's
-  xla fallback (the registry's ``xla`` entry) at the same inputs, so ``jax.grad`` works with either backend.
+  varlen inputs become one longer packed sequence) and is differentiable: ops with backward kernels
+  (``chunk_gdn2``, :data:`KERNEL_BACKWARD`) save their forward states and run the reverse state pass as a kernel
+  and the rest of the backward in jnp; the others use the VJP of the op's xla fallback (the registry's ``xla``
+  entry) at the same inputs, so ``jax.grad`` works with either backend.
 * :func:`run_pipeline` stages any pipeline: each launch is one ``jax.ffi.ffi_call`` to a target named by the
   content hash of its compiled code (``gdn2_<kernel>_<hash12>``, ``kernels._compile.target_name``), registered
   once per process with ``jax_tvm_ffi.register_ffi_target``. Scratch buffers are ordinary extra results (XLA
@@ -287,6 +289,9 @@ def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bo
 # ``benchmarks/profile_chunk.py --train`` compares both). Read when an op's function is built (``_make_op`` is
 # memoised: clear its cache after changing this).
 KERNEL_BACKWARD = True
+# Extra options of the backward pipeline (``kernels.chunk_bwd.chunk_bwd_pipeline``), for measurements
+# (``benchmarks/profile_chunk.py --grad-accuracy``); read like KERNEL_BACKWARD.
+KERNEL_BACKWARD_OPTIONS: dict = {}
 
 
 def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple, cuda_graph: bool):
@@ -299,7 +304,7 @@ def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple, cuda_
     from .xla import chunk as xla_chunk
 
     train = op.pipeline(**cfg, save_states=True)
-    bwd = op.backward_pipeline(**cfg)
+    bwd = op.backward_pipeline(**cfg, **KERNEL_BACKWARD_OPTIONS)
     sc = tuple(n for n in bwd.inputs if n not in ("do", "dht", "cu_seqlens"))
     varlen = "cu_seqlens" in names
     d = p.dims

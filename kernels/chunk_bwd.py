@@ -16,8 +16,9 @@ forward's state kernel does with S). Inputs are the forward's scratch (``chunk_f
 ``dv [B, T, HV, V]`` fp32 (dR) and ``dh0 [N, HV, K, V]`` fp32.
 
 xla twin: ``gdn2_jax.xla.chunk_delta_h.state_bwd_recurrent`` fed ``chunk_o.o_bwd``'s shares dR_o = Aqk^T dO and
-dS0_o = QG^T dO (``tests/test_stages.py::test_gpu_dstate_launch_vs_xla_twin``). Not yet measured on a GPU and not
-wired into the custom VJP: the tilelang backend's backward is still the xla one.
+dS0_o = QG^T dO (``tests/test_stages.py::test_gpu_dstate_launch_vs_xla_twin``). ``jax.grad`` through
+``backend="tilelang"`` runs it (``gdn2_jax._tilelang._kernel_vjp``, since session 6); the other backward stages are
+still jnp (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 """
 
 
@@ -31,7 +32,7 @@ __all__ = ["chunk_dstate_pipeline", "chunk_bwd_pipeline"]
 _VERSION = 1
 
 
-def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split):
+def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, split_ds=False):
     import tilelang.language as T
 
     C = CHUNK
@@ -68,6 +69,9 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split):
             Sb = T.alloc_shared((K, BV), dtype)
             dRb = T.alloc_shared((C, BV), dtype)
             dRf = T.alloc_fragment((C, BV), acc)
+            if split_ds:  # the bf16 rounding residuals of dS and dR: second operands of their products
+                SbL = T.alloc_shared((K, BV), dtype)
+                dRbL = T.alloc_shared((C, BV), dtype)
 
             bb, bos, ln, sbase = seq_span(n, cu_seqlens, Tn, varlen)
             nc = T.ceildiv(ln, C)
@@ -93,7 +97,12 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split):
                 for i, e in T.Parallel(K, BV):
                     dh[bb, sbase + j, hv, i, v0 + e] = dS[i, e]
                 T.copy(dS, Sb)
+                if split_ds:
+                    for i, e in T.Parallel(K, BV):
+                        SbL[i, e] = T.cast(dS[i, e] - T.cast(T.cast(dS[i, e], dtype), acc), dtype)
                 T.gemm(Ks, Sb, dRf, clear_accum=True)            # KG dS
+                if split_ds:
+                    T.gemm(Ks, SbL, dRf)
                 T.gemm(As, dOs, dRf, transpose_A=True)           # + Aqk^T dO
                 if aqk_split:
                     T.gemm(AsL, dOs, dRf, transpose_A=True)
@@ -102,10 +111,18 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split):
                         dv[bb, t0 + r, hv, v0 + e] = dRf[r, e]
                 for r, e in T.Parallel(C, BV):  # -dR (masked) as the operand of the Y^T product
                     dRb[r, e] = T.if_then_else(j * C + r < ln, T.cast(-dRf[r, e], dtype), T.cast(0, dtype))
+                if split_ds:
+                    for r, e in T.Parallel(C, BV):
+                        dRbL[r, e] = T.if_then_else(j * C + r < ln,
+                                                    T.cast(-dRf[r, e] - T.cast(T.cast(-dRf[r, e], dtype), acc),
+                                                           dtype),
+                                                    T.cast(0, dtype))
                 for i, e in T.Parallel(K, BV):
                     dS[i, e] = dS[i, e] * gs[i]
                 T.gemm(Qs, dOs, dS, transpose_A=True)            # + QG^T dO
                 T.gemm(Ys, dRb, dS, transpose_A=True)            # - Y^T dR
+                if split_ds:
+                    T.gemm(Ys, dRbL, dS, transpose_A=True)
 
             for i, e in T.Parallel(K, BV):
                 dh0[n, hv, i, v0 + e] = dS[i, e]
@@ -117,7 +134,8 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split):
 
 
 def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool, varlen: bool,
-                          aqk_split: bool = True, block_v: int | None = None, stages: int = 2) -> Pipeline:
+                          aqk_split: bool = True, block_v: int | None = None, stages: int = 2,
+                          split_ds: bool = False) -> Pipeline:
     """Pipeline of the reverse state-gradient pass (one launch, see the module docstring).
 
     Inputs: the forward's scratch ``Aqk`` (and ``AqkL`` when ``aqk_split``, as ``chunk_fwd_pipeline`` stores
@@ -125,6 +143,8 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
     ``do [B, T, HV, V]`` (``dtype``), ``dht [N, HV, K, V]`` fp32 when ``use_dht``, ``cu_seqlens [N+1]`` int32 when
     ``varlen`` (then B == 1). Outputs ``dh [B, NT, HV, K, V]``, ``dv [B, T, HV, V]``, ``dh0 [N, HV, K, V]``, all
     fp32. K, V in {64, 128}; ``block_v`` (default 16 for HV < 32, else 32, as the forward's state kernel) divides V.
+    ``split_ds`` (experimental): dS and dR enter their products as bf16 plus their bf16 rounding residuals (two
+    products each), so only the forward's scratch carries bf16 rounding.
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_dstate_pipeline"
@@ -139,6 +159,8 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
                Buf("dh0", ("N", HV, K, V), "float32"))
     kw = dict(HV=HV, K=K, V=V, BV=BV, dtype=dtype, use_dht=bool(use_dht), varlen=bool(varlen), stages=int(stages),
               aqk_split=bool(aqk_split))
+    if split_ds:  # (in the key only when on: the default kernel keeps its key)
+        kw.update(split_ds=True)
     launch = Launch(name="gdn2_chunk_dstate", key=("gdn2_chunk_dstate", _VERSION) + tuple(sorted(kw.items())),
                     build=lambda: _dstate_prim(**kw), args=inputs + tuple(b.name for b in outputs))
     return Pipeline(inputs=inputs, scratch=(), outputs=outputs, launches=(launch,), sizes=sizes_fn(varlen, "do"))
@@ -146,10 +168,10 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
 
 def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
-                       aqk_split: bool = True, **_forward_options) -> Pipeline:
+                       aqk_split: bool = True, split_ds: bool = False, **_forward_options) -> Pipeline:
     """The backward kernels of ``chunk_gdn2`` for the forward configuration ``registry.config(...)`` (the same
     keyword arguments as ``chunk_fwd_pipeline``; forward-only tuning options are ignored). Today one launch, the
     reverse state pass (:func:`chunk_dstate_pipeline`, with the final state's cotangent ``dht`` as an input when the
     forward outputs ``ht``); the other stages of the backward run in the caller (``gdn2_jax.xla.chunk``)."""
     return chunk_dstate_pipeline(HV=HV, K=K, V=V, dtype=dtype, use_dht=output_final_state, varlen=varlen,
-                                 aqk_split=aqk_split)
+                                 aqk_split=aqk_split, split_ds=split_ds)

@@ -265,15 +265,19 @@ def test_backward_residuals_are_not_per_token_states():
     assert states_ref >= per_token_states
 
 
+@pytest.mark.parametrize("form", ["dense", "two_levels"])
 @pytest.mark.parametrize("case", ["strong_fp64", "varlen_fp64", "gva_fp32"])
-def test_dense_intra_grads(monkeypatch, case):
-    """The xla VJP with the intra stage's pairwise decays as dense [C, C, K] factors (``_FACTORED_INTRA`` off; the
-    default since session 6 is the sub-chunk factored form, which every other test here runs) against the fp64
-    token loop: g down to -60 per channel (finite everywhere), packed sequences with an empty one, GVA with L2
-    norm in float32."""
+def test_other_intra_forms_grads(monkeypatch, case, form):
+    """The xla VJP with the intra stage's pairwise decays as dense [C, C, K] factors (``_FACTORED_INTRA`` off) or
+    factored on two levels (``_FACTORED_LEVELS = 2``; the default since session 6, one level of 16-row
+    sub-chunks, is what every other test here runs) against the fp64 token loop: g down to -60 per channel
+    (finite everywhere), packed sequences with an empty one, GVA with L2 norm in float32."""
     from gdn2_jax.xla import chunk as xla_chunk
 
-    monkeypatch.setattr(xla_chunk, "_FACTORED_INTRA", False)
+    if form == "dense":
+        monkeypatch.setattr(xla_chunk, "_FACTORED_INTRA", False)
+    else:
+        monkeypatch.setattr(xla_chunk, "_FACTORED_LEVELS", 2)
     if case == "gva_fp32":
         x32 = make_inputs(71, 2, 150, 2, 4, 16, 8, jnp.float32, as_numpy=True)
         with jax.enable_x64(True):

@@ -151,13 +151,17 @@ def test_factored_gates_equal_dense(x64, gdist, C):
     assert not isinstance(chunk_gates(g[..., :24, :], factored=True).Gam, SubGates)
 
 
+@pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("gdist", ["swept", "mild"])
-def test_intra_factored_equals_dense(x64, gdist):
-    """intra_fwd / intra_bwd over the factored gates give the dense results (every score and gradient)."""
+def test_intra_factored_equals_dense(x64, gdist, levels):
+    """intra_fwd / intra_bwd over the factored gates (16-row sub-chunks; with ``levels=2`` their diagonal blocks
+    factored again into 4-row groups) give the dense results (every score and gradient)."""
     x = chunk_inputs(4, gdist=gdist)
     q, k, b = (jnp.asarray(x[n]) for n in "qkb")
     g = jnp.asarray(x["g"])
-    dense, fac = chunk_gates(g), chunk_gates(g, factored=True)
+    dense, fac = chunk_gates(g), chunk_gates(g, factored=True, levels=levels)
+    assert isinstance(fac.Gam.diag, SubGates) == (levels == 2)
+    assert all(np.all(np.isfinite(np.asarray(f))) for f in jax.tree_util.tree_leaves(fac.Gam))
     for a, r, name in zip(intra_fwd(q, k, b, fac, SCALE), intra_fwd(q, k, b, dense, SCALE), ("Aqk", "T")):
         close(a, r, 1e-12, name)
     rng = np.random.default_rng(5)

@@ -347,6 +347,8 @@ def _kernels_to_build():
                                                             varlen=False)))
     out.append(("chunk-dstate-varlen-fp16-k64", chunk_dstate_pipeline(HV=4, K=64, V=64, dtype="float16",
                                                                       use_dht=False, varlen=True, aqk_split=False)))
+    out.append(("chunk-dstate-split-ds", chunk_dstate_pipeline(HV=4, K=128, V=128, dtype="bfloat16", use_dht=True,
+                                                               varlen=False, split_ds=True)))  # experimental
     return out
 
 

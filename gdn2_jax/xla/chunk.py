@@ -49,11 +49,15 @@ CHUNK_SIZE = CHUNK
 # diagonal blocks) instead of a dense [C, C, K] factor. Equal to rounding (tests/test_stages.py); on since session 6
 # (GPU training step 1.7-2.1x faster than dense, docs/performance-notes.md).
 _FACTORED_INTRA = True
+# Levels of that factorisation (``cumsum.sub_gates``): 1 = 16-row sub-chunks with exact 16 x 16 diagonal blocks; 2 =
+# those blocks factored again into 4-row groups (experimental, session 6: equal to rounding on the CPU, not yet
+# measured on a GPU).
+_FACTORED_LEVELS = 1
 
 
 def _stages_fwd(q, k, v, g, b, w, scale):
     """Stages 1-3 of one chunk (everything that does not depend on the start state)."""
-    gates = chunk_gates(g, factored=_FACTORED_INTRA)
+    gates = chunk_gates(g, factored=_FACTORED_INTRA, levels=_FACTORED_LEVELS)
     Aqk, T = intra_fwd(q, k, b, gates, scale)
     A = solve_fwd(T)
     return gates, Aqk, A, wy_fwd(A, q, k, v, b, w, gates, scale)

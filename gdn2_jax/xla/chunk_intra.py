@@ -49,12 +49,26 @@ def _embed(NS, S, dtype):
             ).astype(dtype)
 
 
+def _split(Gam):
+    """(NS, S) of a :class:`SubGates` (back ``[..., NS, C, K]``)."""
+    NS, C = Gam.back.shape[-3:-1]
+    return NS, C // NS
+
+
+def _diag_blocks(M, NS, S):
+    """The S x S diagonal blocks ``[..., NS, S, S]`` of M ``[..., C, C]``, and M by row blocks ``[..., NS, S, C]``."""
+    Mb = _blocks(M, NS)
+    return ein("...irc,isc->...irs", Mb, _embed(NS, S, M.dtype)), Mb
+
+
+# The diagonal blocks recurse: with nested SubGates (``levels`` > 1) they are the same products over each
+# sub-chunk's block (batch dims [..., NS]); at the last level, exact elementwise sums.
 def _scores(X, Y, Gam):
     if not isinstance(Gam, SubGates):
         return ein("...rd,...sd,...rsd->...rs", X, Y, Gam)
-    NS, S = Gam.diag.shape[-4:-2]
+    NS, S = _split(Gam)
     off = ein("...irk,...isk->...irs", _blocks(X * Gam.lead, NS), Y[..., None, :, :] * Gam.back)
-    diag = ein("...ird,...isd,...irsd->...irs", _blocks(X, NS), _blocks(Y, NS), Gam.diag)
+    diag = _scores(_blocks(X, NS), _blocks(Y, NS), Gam.diag)
     full = off + ein("...irs,isc->...irc", diag, _embed(NS, S, X.dtype))
     return full.reshape(X.shape[:-1] + (NS * S,))
 
@@ -62,23 +76,19 @@ def _scores(X, Y, Gam):
 def _rows(M, Y, Gam):
     if not isinstance(Gam, SubGates):
         return ein("...rs,...sd,...rsd->...rd", M, Y, Gam)
-    NS, S = Gam.diag.shape[-4:-2]
-    Mb = _blocks(M, NS)                                                     # [..., NS, S, C]
-    Md = ein("...irc,isc->...irs", Mb, _embed(NS, S, M.dtype))              # the diagonal blocks
+    NS, S = _split(Gam)
+    Md, Mb = _diag_blocks(M, NS, S)
     off = ein("...irs,...isk->...irk", Mb, Y[..., None, :, :] * Gam.back) * _blocks(Gam.lead, NS)
-    diag = ein("...irs,...isd,...irsd->...ird", Md, _blocks(Y, NS), Gam.diag)
-    return (off + diag).reshape(Y.shape)
+    return (off + _rows(Md, _blocks(Y, NS), Gam.diag)).reshape(Y.shape)
 
 
 def _cols(M, X, Gam):
     if not isinstance(Gam, SubGates):
         return ein("...rs,...rd,...rsd->...sd", M, X, Gam)
-    NS, S = Gam.diag.shape[-4:-2]
-    Mb = _blocks(M, NS)
-    Md = ein("...irc,isc->...irs", Mb, _embed(NS, S, M.dtype))
+    NS, S = _split(Gam)
+    Md, Mb = _diag_blocks(M, NS, S)
     off = jnp.sum(ein("...irs,...irk->...isk", Mb, _blocks(X * Gam.lead, NS)) * Gam.back, axis=-3)
-    diag = ein("...irs,...ird,...irsd->...isd", Md, _blocks(X, NS), Gam.diag)
-    return off + diag.reshape(X.shape)
+    return off + _cols(Md, _blocks(X, NS), Gam.diag).reshape(X.shape)
 
 
 def intra_fwd(q, k, b, gates: Gates, scale: float):

@@ -51,7 +51,8 @@ class SubGates(NamedTuple):
 
     lead: jax.Array  # [..., C, K] exp(G_r - G_a(r)), a(r) the last row before r's sub-chunk
     back: jax.Array  # [..., NS, C, K] exp(G_a - G_s) for s <= a = iS - 1 (s before sub-chunk i), else exactly 0
-    diag: jax.Array  # [..., NS, S, S, K] exp(G_r - G_s) within sub-chunk i for s <= r, else exactly 0
+    diag: object     # [..., NS, S, S, K] exp(G_r - G_s) within sub-chunk i for s <= r, else exactly 0; or (nested
+    #                  levels) the SubGates of each sub-chunk's own S x S block, batch dims [..., NS]
 
 
 def segment_sums(g):
@@ -74,8 +75,10 @@ def _masked_exp(mask, x):
     return jnp.exp(jnp.where(mask, x, 0.0)) * mask.astype(x.dtype)
 
 
-def sub_gates(g, S: int = SUB) -> SubGates:
-    """The :class:`SubGates` of g ``[..., C, K]`` (C a multiple of S)."""
+def sub_gates(g, S: int = SUB, levels: int = 1) -> SubGates:
+    """The :class:`SubGates` of g ``[..., C, K]`` (C a multiple of S). ``levels`` > 1 factors each S x S diagonal
+    block the same way again (sub-chunks of S / 4 rows, nested ``diag``), so that only 4 x 4 blocks (two levels)
+    stay elementwise; each level's exponents are same-sign sums from its own anchors."""
     C, K = g.shape[-2:]
     NS = C // S
     gs = g.reshape(g.shape[:-2] + (NS, S, K))
@@ -84,7 +87,11 @@ def sub_gates(g, S: int = SUB) -> SubGates:
     terms = jnp.where(before, g[..., None, :, :], 0.0)                            # [..., NS, C, K]
     excl = _suffix_sums(terms)                                                     # sum_{s < t < iS} g_t
     incl = masks(S)[0][:, :, None]
-    return SubGates(lead=lead, back=_masked_exp(before, excl), diag=_masked_exp(incl, segment_sums(gs)))
+    if levels > 1 and S % 4 == 0 and S >= 8:
+        diag = sub_gates(gs, S // 4, levels - 1)
+    else:
+        diag = _masked_exp(incl, segment_sums(gs))
+    return SubGates(lead=lead, back=_masked_exp(before, excl), diag=diag)
 
 
 def _suffix_sums(x):
@@ -93,19 +100,20 @@ def _suffix_sums(x):
     return jnp.concatenate([incl[..., 1:, :], jnp.zeros_like(incl[..., :1, :])], axis=-2)
 
 
-def chunk_gates(g, factored: bool = False) -> Gates:
+def chunk_gates(g, factored: bool = False, levels: int = 1) -> Gates:
     """Forward of the stage: every decay factor of one chunk from g ``[..., C, K]`` (see the module docstring).
 
     The pairwise exponent is masked *before* ``exp`` (never ``exp`` of a positive number), so g down to -60 per
     token neither overflows nor produces NaN gradients. ``factored`` (used when C is a multiple of :data:`SUB`)
-    gives ``Gam`` as :class:`SubGates` instead of the dense ``[..., C, C, K]`` factor.
+    gives ``Gam`` as :class:`SubGates` instead of the dense ``[..., C, C, K]`` factor, with ``levels`` levels of
+    sub-chunks (:func:`sub_gates`).
     """
     G = jnp.cumsum(g, axis=-2)
     C = g.shape[-2]
     if factored and C % SUB == 0:
         # tail_r = exp(G_C - G_r), a reverse same-sign sum (no difference of cumulative sums)
         tail = jnp.exp(_suffix_sums(g))
-        return Gates(G=G, gam=jnp.exp(G), gamC=jnp.exp(G[..., -1, :]), tail=tail, Gam=sub_gates(g))
+        return Gates(G=G, gam=jnp.exp(G), gamC=jnp.exp(G[..., -1, :]), tail=tail, Gam=sub_gates(g, SUB, levels))
     D = segment_sums(g)
     incl = masks(C)[0][:, :, None]
     return Gates(G=G, gam=jnp.exp(G), gamC=jnp.exp(G[..., -1, :]), tail=jnp.exp(D[..., -1, :, :]),
