@@ -2,7 +2,7 @@
 
 * :func:`forward` is the implementation every public op with kernels dispatches to (``gdn2_jax.ops``). It checks
   what the kernels need with the op's support rule (errors name the argument), builds the pipeline for the static
-  configuration, folds ``jax.vmap`` into the kernels' batch axis (``jax.custom_batching.custom_vmap``; packed
+  configuration, folds ``jax.vmap`` of the forward into the kernels' batch axis (``jax.custom_batching.custom_vmap``; packed
   varlen inputs become one longer packed sequence) and is differentiable: ops with backward kernels
   (``chunk_gdn2``, :data:`KERNEL_BACKWARD`) save their forward states and run the reverse state pass as a kernel
   and the rest of the backward in jnp; the others use the VJP of the op's xla fallback (the registry's ``xla``
@@ -278,7 +278,7 @@ def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bo
         return tuple(out)
 
     if op.backward is not None and KERNEL_BACKWARD and not inplace:
-        f_fwd, f_bwd = _kernel_vjp(p, op, names, dict(cfg), out_names, cuda_graph)
+        f_fwd, f_bwd = _kernel_vjp(p, op, names, dict(cfg), out_names)
     f.defvjp(f_fwd, f_bwd)
     return f
 
@@ -294,12 +294,13 @@ KERNEL_BACKWARD = True
 KERNEL_BACKWARD_OPTIONS: dict = {}
 
 
-def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple, cuda_graph: bool):
+def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple):
     """``(f_fwd, f_bwd)`` of ``chunk_gdn2`` with its backward kernels (see :data:`KERNEL_BACKWARD`).
 
     Residuals: the inputs, the forward's scratch that the reverse state pass reads (Aqk (+ AqkL), Y, QG, KG, GAM)
-    and the chunk start states ``h`` and ``v_new`` (fp32). Under ``jax.vmap`` the custom calls run once per
-    mapped problem (``vmap_method="sequential"``); the jnp part is batched as usual.
+    and the chunk start states ``h`` and ``v_new`` (fp32). Under ``jax.vmap`` the training custom calls run once
+    per mapped problem (``vmap_method="sequential"``, not folded into the kernels' batch as the inference path
+    is); the jnp part is batched as usual.
     """
     from .xla import chunk as xla_chunk
 
@@ -309,8 +310,8 @@ def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple, cuda_
     varlen = "cu_seqlens" in names
     d = p.dims
 
-    def f_fwd(*arrays):
-        res = run_pipeline(train, dict(zip(names, arrays)), cuda_graph=cuda_graph, return_scratch=True)
+    def f_fwd(*arrays):  # (never CUDA-graph targets: graph capture is for decode, _prime only knows its inputs)
+        res = run_pipeline(train, dict(zip(names, arrays)), return_scratch=True)
         return tuple(res[n] for n in out_names), (arrays, {n: res[n] for n in sc + ("h", "v_new")})
 
     def f_bwd(resid, cts):
@@ -322,7 +323,7 @@ def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple, cuda_
             ins["dht"] = cts[1]
         if varlen:
             ins["cu_seqlens"] = a["cu_seqlens"]
-        r = run_pipeline(bwd, ins, cuda_graph=cuda_graph)
+        r = run_pipeline(bwd, ins)
         grads = xla_chunk.chunk_backward_from_states(
             d.scale, d.HV // d.H, p.use_qk_l2norm_in_kernel, a["q"], a["k"], a["v"], a["g"], a["b"], a["w"],
             a.get("cu_seqlens"), saved["h"], saved["v_new"], r["dh"], r["dv"], cts[0])

@@ -143,8 +143,8 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
     ``do [B, T, HV, V]`` (``dtype``), ``dht [N, HV, K, V]`` fp32 when ``use_dht``, ``cu_seqlens [N+1]`` int32 when
     ``varlen`` (then B == 1). Outputs ``dh [B, NT, HV, K, V]``, ``dv [B, T, HV, V]``, ``dh0 [N, HV, K, V]``, all
     fp32. K, V in {64, 128}; ``block_v`` (default 16 for HV < 32, else 32, as the forward's state kernel) divides V.
-    ``split_ds`` (experimental): dS and dR enter their products as bf16 plus their bf16 rounding residuals (two
-    products each), so only the forward's scratch carries bf16 rounding.
+    ``split_ds`` (experimental): dS and dR enter their products in the input dtype plus their rounding residuals
+    (two products each), so only the forward's scratch carries 16-bit rounding.
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_dstate_pipeline"
@@ -168,10 +168,12 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
 
 def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
-                       aqk_split: bool = True, split_ds: bool = False, **_forward_options) -> Pipeline:
+                       aqk_split: bool = True, split_ds: bool = False, block_v: int | None = None, stages: int = 2,
+                       **_forward_options) -> Pipeline:
     """The backward kernels of ``chunk_gdn2`` for the forward configuration ``registry.config(...)`` (the same
-    keyword arguments as ``chunk_fwd_pipeline``; forward-only tuning options are ignored). Today one launch, the
+    keyword arguments as ``chunk_fwd_pipeline``; ``block_v`` and ``stages`` apply to both state passes, the
+    forward's other tuning options are ignored). Today one launch, the
     reverse state pass (:func:`chunk_dstate_pipeline`, with the final state's cotangent ``dht`` as an input when the
     forward outputs ``ht``); the other stages of the backward run in the caller (``gdn2_jax.xla.chunk``)."""
     return chunk_dstate_pipeline(HV=HV, K=K, V=V, dtype=dtype, use_dht=output_final_state, varlen=varlen,
-                                 aqk_split=aqk_split, split_ds=split_ds)
+                                 aqk_split=aqk_split, split_ds=split_ds, block_v=block_v, stages=stages)

@@ -23,7 +23,8 @@ the channel axis walked in slices of 32) computes the cumulative decay, ``Aqk`` 
 
 Launch 2 ``gdn2_chunk_state_o`` (grid: sequences x V-blocks x value heads) walks the chunks of one sequence with
 the state slice ``S[K, BV]`` in fp32 registers and writes the output of every chunk (FLA's h and o kernels fused:
-per-chunk states never reach HBM), then the final state.
+per-chunk states never reach HBM, except with ``save_states``, the training forward, which also writes each
+chunk's start state ``h`` and ``v_new``), then the final state.
 
 GVA: value head j reads q/k head j // (HV/H) inside launch 1 (never materialised). Varlen: chunks are aligned
 to each sequence start; chunk slot of (sequence n, chunk j) is ``n + cu[n] // 64 + j`` (< T // 64 + N), found by

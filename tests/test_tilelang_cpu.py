@@ -181,6 +181,20 @@ def test_lowering_chunk_grad_runs_the_backward_kernels(varlen):
     assert varlen or not loops
 
 
+@pytest.mark.parametrize("T", [0, 10])
+def test_lowering_chunk_grad_short_inputs(T):
+    """``jax.grad`` through the backward kernels traces and lowers for T = 0 (no chunk slot at all) and T < 64,
+    and the gradients have the inputs' shapes and dtypes (fp16 inputs, bf16 g, no states)."""
+    def loss(q, k, v, g, b, w):
+        o, _ = gdn2_jax.chunk_gdn2(q, k, v, g, b, w, backend="tilelang")
+        return jnp.sum(o.astype(jnp.float32))
+
+    specs = _specs(2, T, 1, 2, 64, 64, dtype=jnp.float16, g_dtype=BF)[:6]
+    grads = jax.eval_shape(jax.grad(loss, argnums=tuple(range(6))), *specs)
+    assert [(a.shape, a.dtype) for a in grads] == [(s.shape, s.dtype) for s in specs]
+    assert "custom_call" in _lower(jax.grad(loss, argnums=tuple(range(6))), specs)
+
+
 def test_generic_runner_maps_launches_to_ffi_calls():
     """Launch 1 writes scratch `A` and output `o`; launch 2 updates both in place; launch 3 reads `A` (listed
     first) and writes the new output `p`."""

@@ -85,9 +85,11 @@ def varlen_from_chunks(o, plan: VarlenPlan):
 
 def slots_to_chunks(x, plan: VarlenPlan | None):
     """The kernels' per-chunk-slot arrays ``[B, NT, Hh, ...]`` (``kernels.chunk_fwd.num_chunk_slots``) in this
-    module's chunk order ``[NC, B, Hh, ...]``: dense slots are the chunks; varlen chunks read their slot
-    (``plan.kslot``) and unused chunks are zero."""
+    module's chunk order ``[NC, B, Hh, ...]``: dense slots are the chunks (T = 0: no slot, one zero chunk, as
+    :func:`dense_to_chunks` pads); varlen chunks read their slot (``plan.kslot``) and unused chunks are zero."""
     if plan is None:
+        if x.shape[1] == 0:
+            return jnp.zeros((1, x.shape[0]) + x.shape[2:], x.dtype)
         return jnp.moveaxis(x, 1, 0)
     xc = x[0][plan.kslot]
     return jnp.where(plan.real.reshape((-1,) + (1,) * (xc.ndim - 1)), xc, jnp.zeros((), x.dtype))[:, None]
