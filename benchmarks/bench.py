@@ -676,14 +676,9 @@ def _acc_train(ctx: Ctx, rows):
 
     attempt(first, "ours", ours)
     if ctx.fla_ok:
-        from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
-
         def fla():
-            leaves = [x[n].detach().clone().requires_grad_(True) for n in names]
-            o, ht = fla_chunk(*leaves[:6], initial_state=leaves[6], output_final_state=True)
-            ((o.float() * do).sum() + (ht.float() * dht).sum()).backward()
-            for n, p in zip(names, leaves):
-                rr[n]["fla"] = L.rms(L.tnp(p.grad), ref[f"d{n}"]) if p.grad is not None else None
+            for n, gr in L.fla_grads(x, do, dht).items():
+                rr[n[1:]]["fla"] = L.rms(L.tnp(gr), ref[n]) if gr is not None else None
 
         attempt(first, "fla", fla)
     for r in rr.values():

@@ -370,6 +370,18 @@ def oracle_grads_fp64(ins: dict, do, dht, scale) -> dict:
     return out
 
 
+def fla_grads(x: dict, do, dht) -> dict:
+    """FLA 0.6.0's gradients ``{"dq": ..., "dh0": ...}`` (torch) of ``sum(o·do) + sum(ht·dht)`` w.r.t. q,k,v,g,b,w,h0
+    (``x``: torch inputs by name, as :func:`torch_inputs` makes them); None where FLA gives no gradient."""
+    from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
+
+    names = ARGS + ("h0",)
+    leaves = [x[n].detach().clone().requires_grad_(True) for n in names]
+    o, ht = fla_chunk(*leaves[:6], initial_state=leaves[6], output_final_state=True)
+    ((o.float() * do).sum() + (ht.float() * dht).sum()).backward()
+    return {f"d{n}": p.grad for n, p in zip(names, leaves)}
+
+
 # ------------------------------------------------------------------------------------------- JAX step builders
 def _bk(backend):
     return {} if backend is None else {"backend": backend}

@@ -21,6 +21,7 @@ arithmetic); ``bv64`` (state kernel with V-blocks of 64); ``exact_self`` (the di
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v": 64},
@@ -53,20 +54,43 @@ def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
         print("ACCURACY " + json.dumps(row), flush=True)
 
 
-GRAD_VARIANTS = {  # name -> (backward kernels, their extra options)
-    "xla": (False, {}), "kernel": (True, {}), "split_ds": (True, {"split_ds": True})}
+@contextlib.contextmanager
+def _switches(kernel_backward=None, factored=None, levels=None, options=None):
+    """Set the training path's module switches for the block (None keeps one), then restore them; the memoised
+    op functions are dropped on entry and exit so that the next trace sees the switches as set:
+    ``gdn2_jax._tilelang.KERNEL_BACKWARD`` / ``KERNEL_BACKWARD_OPTIONS`` and
+    ``gdn2_jax.xla.chunk._FACTORED_INTRA`` / ``_FACTORED_LEVELS``."""
+    from gdn2_jax import _tilelang
+    from gdn2_jax.xla import chunk as xla_chunk
+
+    targets = [(_tilelang, "KERNEL_BACKWARD", kernel_backward), (_tilelang, "KERNEL_BACKWARD_OPTIONS", options),
+               (xla_chunk, "_FACTORED_INTRA", factored), (xla_chunk, "_FACTORED_LEVELS", levels)]
+    saved = [(m, n, getattr(m, n)) for m, n, _ in targets]
+    try:
+        for m, n, val in targets:
+            if val is not None:
+                setattr(m, n, val)
+        _tilelang._make_op.cache_clear()
+        yield
+    finally:
+        for m, n, val in saved:
+            setattr(m, n, val)
+        _tilelang._make_op.cache_clear()
+
+
+GRAD_VARIANTS = {  # name -> _switches of the backward
+    "xla": dict(kernel_backward=False), "kernel": dict(kernel_backward=True, options={}),
+    "split_ds": dict(kernel_backward=True, options={"split_ds": True})}
 
 
 def grad_accuracy(variants, seeds=(77, 1, 2), shape=(1, 256, 2)):
     """RMS ratio vs the fp64 reverse pass of the seven gradients per :data:`GRAD_VARIANTS` entry and FLA, on the
     benchmark's gradient case (seed 77 is bench.py's ``_acc_train``); one ``GRADACC {...}`` line per seed."""
     from benchmarks import bench_lib as L
-    from gdn2_jax import _tilelang
 
     B, T, H = shape
     D = L.D
     names = L.ARGS + ("h0",)
-    default = (_tilelang.KERNEL_BACKWARD, dict(_tilelang.KERNEL_BACKWARD_OPTIONS))
     for seed in seeds:
         x = L.torch_inputs(B, T, H, H, seed=seed, g_scale=1.0)
         do = L.randn((B, T, H, D), seed + 1)
@@ -74,29 +98,17 @@ def grad_accuracy(variants, seeds=(77, 1, 2), shape=(1, 256, 2)):
         ref = L.oracle_grads_fp64({n: L.tnp(x[n]) for n in names}, L.tnp(do), L.tnp(dht), D ** -0.5)
         row = {"seed": seed}
         for name in variants:
-            _tilelang.KERNEL_BACKWARD, opts = GRAD_VARIANTS[name]
-            _tilelang.KERNEL_BACKWARD_OPTIONS.clear()
-            _tilelang.KERNEL_BACKWARD_OPTIONS.update(opts)
-            _tilelang._make_op.cache_clear()
             try:
-                grads = L.jax_grad_with_state_fn()(*[L.to_jax(x[n]) for n in names], L.to_jax(do), L.to_jax(dht))
+                with _switches(**GRAD_VARIANTS[name]):
+                    grads = L.jax_grad_with_state_fn()(*[L.to_jax(x[n]) for n in names], L.to_jax(do),
+                                                       L.to_jax(dht))
                 for n, gr in zip(names, grads):
                     row[f"{name}:d{n}"] = L.rms(L.tnp(gr), ref[f"d{n}"])
             except Exception as e:  # pragma: no cover
                 row[f"{name}:error"] = repr(e)[:300]
-            finally:
-                _tilelang.KERNEL_BACKWARD = default[0]
-                _tilelang.KERNEL_BACKWARD_OPTIONS.clear()
-                _tilelang.KERNEL_BACKWARD_OPTIONS.update(default[1])
-                _tilelang._make_op.cache_clear()
         try:
-            from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
-
-            leaves = [x[n].detach().clone().requires_grad_(True) for n in names]
-            o, ht = fla_chunk(*leaves[:6], initial_state=leaves[6], output_final_state=True)
-            ((o.float() * do).sum() + (ht.float() * dht).sum()).backward()
-            for n, p in zip(names, leaves):
-                row[f"fla:d{n}"] = L.rms(L.tnp(p.grad), ref[f"d{n}"])
+            for n, gr in L.fla_grads(x, do, dht).items():
+                row[f"fla:{n}"] = L.rms(L.tnp(gr), ref[n])
         except Exception as e:  # pragma: no cover
             row["fla_error"] = repr(e)[:200]
         print("GRADACC " + json.dumps(row), flush=True)
@@ -133,18 +145,11 @@ def time_grid(variants, shapes=None):
     return rows
 
 
-TRAIN_VARIANTS = {  # name -> (backward kernels, factored intra decays, levels of the factorisation)
-    "dense": (False, False, 1), "factored": (False, True, 1), "kernel": (True, True, 1),
-    "kernel_l2": (True, True, 2)}
-
-
-def _set_train_variant(switches):
-    """Set the switches of a :data:`TRAIN_VARIANTS` entry (and drop the memoised op functions)."""
-    from gdn2_jax import _tilelang
-    from gdn2_jax.xla import chunk as xla_chunk
-
-    _tilelang.KERNEL_BACKWARD, xla_chunk._FACTORED_INTRA, xla_chunk._FACTORED_LEVELS = switches
-    _tilelang._make_op.cache_clear()
+TRAIN_VARIANTS = {  # name -> _switches of the training step
+    "dense": dict(kernel_backward=False, factored=False, levels=1),
+    "factored": dict(kernel_backward=False, factored=True, levels=1),
+    "kernel": dict(kernel_backward=True, factored=True, levels=1),
+    "kernel_l2": dict(kernel_backward=True, factored=True, levels=2)}
 
 
 def _kernel_totals(fn, top=16):
@@ -184,27 +189,22 @@ def train_grid(variants=("dense", "factored", "kernel"), shapes=None, trace=Fals
 
     from benchmarks import bench_lib as L
     from benchmarks.bench import PREFILL_GRID
-    from gdn2_jax import _tilelang
-    from gdn2_jax.xla import chunk as xla_chunk
 
-    default = (_tilelang.KERNEL_BACKWARD, xla_chunk._FACTORED_INTRA, xla_chunk._FACTORED_LEVELS)
     for B, T, H in shapes or PREFILL_GRID:
         x = L.torch_inputs(B, T, H, H, seed=0, h0=False)
         do = L.randn((B, T, H, L.D), 1)
         jx = [L.to_jax(x[n]) for n in L.ARGS] + [L.to_jax(do)]
         row = {"B": B, "T": T, "H": H}
         for name in variants:
-            _set_train_variant(TRAIN_VARIANTS[name])
             try:
-                f = L.jax_train_fn()  # a fresh jit: traced with the switches as set now
-                row[f"{name}:peak_MiB"] = L.jax_compiled_memory(f, *jx)["total_MiB"]
-                row[f"{name}:ms"] = L.host_ms(lambda: f(*jx), L.jax_sync, target_s=0.1)[0]
-                if trace:
-                    row[f"{name}:top"] = _kernel_totals(lambda: L.jax_sync(f(*jx)))
+                with _switches(**TRAIN_VARIANTS[name]):
+                    f = L.jax_train_fn()  # a fresh jit: traced (on first call, inside the block) with the switches
+                    row[f"{name}:peak_MiB"] = L.jax_compiled_memory(f, *jx)["total_MiB"]
+                    row[f"{name}:ms"] = L.host_ms(lambda: f(*jx), L.jax_sync, target_s=0.1)[0]
+                    if trace:
+                        row[f"{name}:top"] = _kernel_totals(lambda: L.jax_sync(f(*jx)))
             except Exception as e:  # pragma: no cover
                 row[f"{name}:error"] = repr(e)[:200]
-            finally:
-                _set_train_variant(default)
         try:
             from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
             from triton.testing import do_bench

@@ -322,7 +322,7 @@ def test_backward_from_kernel_states_equals_xla_vjp(x64, varlen):
     qh, kh = xc.prepare_qk(x["q"], x["k"], 2, True)
     ins = (qh, kh) + tuple(x[n] for n in "vgbw")
     plan = layout.varlen_plan(cu, T, C) if varlen else None
-    to_c = (lambda a: layout.dense_to_chunks(a, C)) if plan is None else (lambda a: layout.varlen_to_chunks(a, plan))
+    to_c = lambda a: layout.to_chunks(a, plan, C)  # noqa: E731
     from_c = (lambda a: layout.dense_from_chunks(a, T)) if plan is None else (
         lambda a: layout.varlen_from_chunks(a, plan))
     xs = [to_c(a) for a in ins]

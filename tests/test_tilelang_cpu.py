@@ -183,8 +183,9 @@ def test_lowering_chunk_grad_runs_the_backward_kernels(varlen):
 
 @pytest.mark.parametrize("T", [0, 10])
 def test_lowering_chunk_grad_short_inputs(T):
-    """``jax.grad`` through the backward kernels traces and lowers for T = 0 (no chunk slot at all) and T < 64,
-    and the gradients have the inputs' shapes and dtypes (fp16 inputs, bf16 g, no states)."""
+    """``jax.grad`` through the backward kernels traces and lowers for T = 0 (no chunk slot at all) and T < 64:
+    the gradients have the inputs' shapes and dtypes (fp16 inputs, bf16 g, no states) and the program runs the
+    training forward's state launch and the reverse state-pass kernel (not the xla VJP)."""
     def loss(q, k, v, g, b, w):
         o, _ = gdn2_jax.chunk_gdn2(q, k, v, g, b, w, backend="tilelang")
         return jnp.sum(o.astype(jnp.float32))
@@ -192,7 +193,13 @@ def test_lowering_chunk_grad_short_inputs(T):
     specs = _specs(2, T, 1, 2, 64, 64, dtype=jnp.float16, g_dtype=BF)[:6]
     grads = jax.eval_shape(jax.grad(loss, argnums=tuple(range(6))), *specs)
     assert [(a.shape, a.dtype) for a in grads] == [(s.shape, s.dtype) for s in specs]
-    assert "custom_call" in _lower(jax.grad(loss, argnums=tuple(range(6))), specs)
+    targets = set(re.findall(r"custom_call @(\w+)\(", _lower(jax.grad(loss, argnums=tuple(range(6))), specs)))
+    kw = dict(H=1, HV=2, K=64, V=64, dtype="float16", g_dtype="bfloat16", scale=64 ** -0.5, use_initial_state=False,
+              output_final_state=False, varlen=False, use_qk_l2norm=False)
+    op = registry.get("chunk_gdn2")
+    want = {_tilelang.target_name(la, "sm_90a") for la in op.pipeline(**kw, save_states=True).launches}
+    want |= {_tilelang.target_name(la, "sm_90a") for la in op.backward_pipeline(**kw).launches}
+    assert targets == want, (targets, want)
 
 
 def test_generic_runner_maps_launches_to_ffi_calls():

@@ -234,18 +234,24 @@ def _naive_core(scale, q, k, v, g, b, w, h0, seq, reset):
 # --------------------------------------------------------------------------------------------------
 # Token-major entry points (the implementations behind the public ops)
 # --------------------------------------------------------------------------------------------------
+def _to_chunks(cdt, group, use_qk_l2norm_in_kernel, q, k, v, g, b, w, plan, C: int):
+    """L2 norm + GVA repeat of q, k, then all six inputs in the compute dtype ``cdt``, chunk-major (dense, or by
+    the varlen ``plan``). Normalised in the compute dtype: no rounding of q / k back to a 16-bit input dtype."""
+    q, k = prepare_qk(jnp.asarray(q).astype(cdt), jnp.asarray(k).astype(cdt), group, use_qk_l2norm_in_kernel)
+    xs = [jnp.asarray(x).astype(cdt) for x in (q, k, v, g, b, w)]
+    return [layout.to_chunks(x, plan, C) for x in xs]
+
+
 def _chunked(core, p, q, k, v, g, b, w, initial_state, cu_seqlens, C: int, poison=None):
     """L2 norm + GVA repeat (plain autodiff), layout to chunks, ``core``, layout back; outputs times ``poison``."""
     dims = p.dims
     cdt = dims.compute_dtype
     out_dtype = jax.dtypes.canonicalize_dtype(q.dtype)  # numpy float64 without x64 -> float32
-    # normalise in the compute dtype: no rounding of the normalised q / k back to a 16-bit input dtype
-    q, k = prepare_qk(jnp.asarray(q).astype(cdt), jnp.asarray(k).astype(cdt), dims.group, p.use_qk_l2norm_in_kernel)
     h0 = (jnp.zeros((dims.N, dims.HV, dims.K, dims.V), cdt) if initial_state is None
           else jnp.asarray(initial_state).astype(cdt))
-    xs = [jnp.asarray(x).astype(cdt) for x in (q, k, v, g, b, w)]
-    if cu_seqlens is None:
-        xs = [layout.dense_to_chunks(x, C) for x in xs]
+    plan = None if cu_seqlens is None else layout.varlen_plan(cu_seqlens, dims.T, C)
+    xs = _to_chunks(cdt, dims.group, p.use_qk_l2norm_in_kernel, q, k, v, g, b, w, plan, C)
+    if plan is None:
         NC = xs[0].shape[0]
         seq = jnp.broadcast_to(jnp.arange(dims.B, dtype=jnp.int32)[None], (NC, dims.B))
         reset = jnp.broadcast_to((jnp.arange(NC) == 0)[:, None], (NC, dims.B))
@@ -253,8 +259,6 @@ def _chunked(core, p, q, k, v, g, b, w, initial_state, cu_seqlens, C: int, poiso
         o = layout.dense_from_chunks(o, dims.T)
         final = S_end[-1]
     else:
-        plan = layout.varlen_plan(cu_seqlens, dims.T, C)
-        xs = [layout.varlen_to_chunks(x, plan) for x in xs]
         o, S_end = core(dims.scale, *xs, h0, plan.seq[:, None], plan.reset[:, None])
         o = layout.varlen_from_chunks(o, plan)
         final = jnp.where(plan.has[:, None, None, None], S_end[plan.last, 0], h0)
@@ -287,24 +291,17 @@ def chunk_backward_from_states(scale, group, use_qk_l2norm_in_kernel, q, k, v, g
     ``dh`` ``[B, NT, HV, K, V]`` (chunk slots, ``kernels.chunk_fwd.num_chunk_slots``), R = ``v_new`` and its full
     gradient ``dv_new`` ``[B, T, HV, V]``, and ``do`` ``[B, T, HV, V]``. Runs the output stage's local shares
     (``chunk_o.o_bwd_local``) and :func:`_bwd_local` (stages 1-3 recomputed, FLA's policy) for all chunks, then the
-    transposes of the layout, GVA repeat and L2 norm. Returns ``(dq, dk, dv, dg, db, dw)`` in the inputs' dtypes
-    (math in float32, float64 for float64 inputs). The same formulas as :func:`_chunk_core_bwd`; only S0, R, dR and dS_end come from kernels.
+    transposes of the layout, GVA repeat and L2 norm (:func:`_to_chunks`, by ``jax.vjp``). Returns
+    ``(dq, dk, dv, dg, db, dw)`` in the inputs' dtypes (math in float32, float64 for float64 inputs). The same
+    formulas as :func:`_chunk_core_bwd`; only S0, R, dR and dS_end come from kernels.
     """
     C = CHUNK_SIZE
     cdt = jnp.promote_types(q.dtype, jnp.float32)
     plan = None if cu_seqlens is None else layout.varlen_plan(cu_seqlens, q.shape[1], C)
-
-    def to_chunks(x):
-        x = x.astype(cdt)
-        return layout.dense_to_chunks(x, C) if plan is None else layout.varlen_to_chunks(x, plan)
-
-    def prep(q, k, v, g, b, w):
-        qh, kh = prepare_qk(q.astype(cdt), k.astype(cdt), group, use_qk_l2norm_in_kernel)
-        return tuple(to_chunks(x) for x in (qh, kh, v, g, b, w))
-
-    xs, pull = jax.vjp(prep, q, k, v, g, b, w)
+    xs, pull = jax.vjp(lambda *a: tuple(_to_chunks(cdt, group, use_qk_l2norm_in_kernel, *a, plan, C)),
+                       q, k, v, g, b, w)
     S0s, dS_end = (layout.slots_to_chunks(x, plan) for x in (h, dh))
-    R, dR, dO = (to_chunks(x) for x in (v_new, dv_new, do))
+    R, dR, dO = (layout.to_chunks(x.astype(cdt), plan, C) for x in (v_new, dv_new, do))
     return pull(tuple(_local_grads(scale, xs, S0s, R, dR, dS_end, dO)))
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from .common import sequence_ids
 
 __all__ = ["dense_to_chunks", "dense_from_chunks", "VarlenPlan", "varlen_plan", "varlen_to_chunks",
-           "varlen_from_chunks", "slots_to_chunks"]
+           "varlen_from_chunks", "to_chunks", "slots_to_chunks"]
 
 
 def dense_to_chunks(x, C):
@@ -81,6 +81,11 @@ def varlen_from_chunks(o, plan: VarlenPlan):
     """[NC, 1, Hh, C, D] -> [1, T, Hh, D]."""
     NC, _, Hh, C, D = o.shape
     return o[:, 0].transpose(0, 2, 1, 3).reshape(NC * C, Hh, D)[plan.slot][None]
+
+
+def to_chunks(x, plan: VarlenPlan | None, C: int):
+    """Token-major -> chunk-major: :func:`dense_to_chunks` without a plan, :func:`varlen_to_chunks` with one."""
+    return dense_to_chunks(x, C) if plan is None else varlen_to_chunks(x, plan)
 
 
 def slots_to_chunks(x, plan: VarlenPlan | None):
