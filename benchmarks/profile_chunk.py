@@ -80,6 +80,7 @@ def _switches(kernel_backward=None, factored=None, levels=None, options=None):
 
 GRAD_VARIANTS = {  # name -> _switches of the backward
     "xla": dict(kernel_backward=False), "kernel": dict(kernel_backward=True, options={}),
+    "kernel_jnp": dict(kernel_backward=True, options={"local_bwd": False}),
     "split_ds": dict(kernel_backward=True, options={"split_ds": True})}
 
 
@@ -149,7 +150,8 @@ TRAIN_VARIANTS = {  # name -> _switches of the training step
     "dense": dict(kernel_backward=False, factored=False, levels=1),
     "factored": dict(kernel_backward=False, factored=True, levels=1),
     "kernel": dict(kernel_backward=True, factored=True, levels=1),
-    "kernel_l2": dict(kernel_backward=True, factored=True, levels=2)}
+    "kernel_jnp": dict(kernel_backward=True, factored=True, levels=1, options={"local_bwd": False}),
+    "kernel_l2": dict(kernel_backward=True, factored=True, levels=2, options={"local_bwd": False})}
 
 
 def _kernel_totals(fn, top=16):
@@ -223,6 +225,47 @@ def train_grid(variants=("dense", "factored", "kernel"), shapes=None, trace=Fals
         torch.cuda.empty_cache()
 
 
+def time_train_launches(shapes, once=0):
+    """do_bench medians (ms) of each launch of the training forward (``save_states``) and of the backward kernels
+    (``kernels/chunk_bwd.py``) on torch tensors, h0 and ht on (the benchmark's training case); one
+    ``TLAUNCH {...}`` JSON line per shape. ``once`` > 0: no timing, both pipelines run that many times (ncu)."""
+    import torch
+    from triton.testing import do_bench
+
+    from benchmarks import bench_lib
+    from kernels import registry, torch_api
+
+    op = registry.get("chunk_gdn2")
+    for B, T, H in shapes:
+        x = bench_lib.torch_inputs(B, T, H, H, seed=0)
+        cfg = registry.config(H=H, HV=H, K=bench_lib.D, V=bench_lib.D, dtype="bfloat16", g_dtype="float32",
+                              scale=bench_lib.D ** -0.5, use_initial_state=True, output_final_state=True,
+                              varlen=False, use_qk_l2norm=False)
+        row = {"B": B, "T": T, "H": H}
+        fwd = op.pipeline(**cfg, save_states=True)
+        bwd = op.backward_pipeline(**cfg)
+        if once:
+            for _ in range(once):
+                res = torch_api.run_pipeline(fwd, x, return_scratch=True)
+                ins = {n: (res[n] if n in res else x[n]) for n in bwd.inputs if n not in ("do", "dht")}
+                ins.update(do=torch.ones_like(res["o"]), dht=torch.ones_like(res["ht"]))
+                torch_api.run_pipeline(bwd, ins)
+            torch.cuda.synchronize()
+            return
+        for la, fn in bench_lib.stage_callables(fwd, x):
+            row[f"fwd:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
+        res = torch_api.run_pipeline(fwd, x, return_scratch=True)
+        ins = {n: (res[n] if n in res else x[n]) for n in bwd.inputs if n not in ("do", "dht")}
+        ins["do"] = torch.randn_like(res["o"])
+        ins["dht"] = torch.randn_like(res["ht"])
+        for la, fn in bench_lib.stage_callables(bwd, ins):
+            row[f"bwd:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
+        row["total"] = sum(v for n, v in row.items() if ":" in n)
+        print("TLAUNCH " + json.dumps(row), flush=True)
+        del res, ins
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--B", type=int, default=4)
@@ -238,7 +281,15 @@ def main(argv=None):
     ap.add_argument("--shapes", default=None, help="--train: B,T,H[;B,T,H...] instead of the benchmark grid")
     ap.add_argument("--trace", action="store_true", help="--train: device time per kernel name too")
     ap.add_argument("--train", action="store_true", help="training step: xla VJP (dense / factored intra decays) vs backward kernels")
+    ap.add_argument("--train-launches", action="store_true", help="each training-forward and backward launch, timed")
+    ap.add_argument("--bwd-once", action="store_true", help="run the training launches twice, untimed (for ncu)")
     a = ap.parse_args(argv)
+    if a.train_launches:
+        time_train_launches([tuple(int(n) for n in t.split(",")) for t in (a.shapes or "4,4096,32").split(";")])
+        return
+    if a.bwd_once:  # for ncu: twice the training forward's 2 launches and the backward's 3 (launches 5-9: warm)
+        time_train_launches([(a.B, a.T, a.H)], once=2)
+        return
     if a.grad_accuracy:
         grad_accuracy(tuple((a.variants or "xla,kernel,split_ds").split(",")))
         return

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU session driver (device machine), from the repository root:  bash benchmarks/run_gpu.sh STEP[,STEP...]
-#   build   compile what the carried kernel cache (.kcache/) lacks (-j 15); the cache comes back as kcache.tgz
+#   build   compile what the carried kernel cache (.kcache/) lacks (-j 15; BUILD_PRESET, default all); the cache
+#           comes back as kcache.tgz
 #   tests   every `cuda` test (pytest -n 6); with `parity` in the same call the FLA layer-parity test runs in its
 #           own process alongside all other steps (its Triton autotune results come back as fla-autotune-new.tgz)
 #   parity  the FLA layer-parity test alone, timed (issue 9: < 120 s with the autotune cache carried in .gpu/)
@@ -9,8 +10,10 @@
 #   bench   python -m benchmarks.bench (the benchmark of record; json/md/png and latest.json into $OUT)
 #   train   examples/train_lm.py --backend tilelang (training + generation at batch 1 and 64)
 #   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32
+#   ncubwd  Nsight Compute counters of the three backward launches at B4 T4096 H32 ($OUT/ncu_bwd.txt)
 #   ptime   benchmarks/profile_chunk.py --time: each chunk launch of each kernel variant on the grid, FLA alongside
 #   ttime   benchmarks/profile_chunk.py --train: the training step, xla VJP (dense / factored) vs backward kernels
+#   tlaunch benchmarks/profile_chunk.py --train-launches: each training-forward and backward launch (TRAIN_SHAPES)
 #   gacc    benchmarks/profile_chunk.py --grad-accuracy: the seven gradients vs fp64 per backward variant, FLA alongside
 #   ncusrc  per-SASS-instruction executed counts of the intra kernel at B4 T4096 H32 ($OUT/intra_sass.csv)
 #   smoke   a quick benchmark run (two shapes per section; SMOKE_SECTIONS, default prefill,decode) into /tmp/smoke
@@ -30,7 +33,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used -
 
 if has build; then
   step build
-  { timeout ${T_BUILD:-240} python -m kernels.build --preset all -j 15
+  { timeout ${T_BUILD:-240} python -m kernels.build --preset ${BUILD_PRESET:-all} -j 15
     timeout ${T_BUILD:-240} python -m benchmarks.bench --precompile -j 15; } 2>&1 | quiet | grep -v WARNING \
       | tee -a "$LOG" | grep "kernels for"
 fi
@@ -84,6 +87,15 @@ if has ncu; then
       python -m benchmarks.profile_chunk --B 4 --T 4096 --H 32 2>&1 | quiet > "$OUT/ncu.txt"
   grep -E "main_kernel|Duration|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Theoretical Occ|Issued Ipc|No Eligible|Stall|DRAM Throughput|L1/TEX Hit|Dynamic Shared" "$OUT/ncu.txt" | head -40 | tee -a "$LOG"
 fi
+if has ncubwd; then
+  step ncubwd
+  timeout ${T_NCU:-150} ncu --clock-control none --kernel-name main_kernel --launch-skip 7 --launch-count 3 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+      --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+      --section InstructionStats python -m benchmarks.profile_chunk --bwd-once --B 4 --T 4096 --H 32 2>&1 \
+      | quiet > "$OUT/ncu_bwd.txt"
+  grep -E "main_kernel|Duration|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Theoretical Occ|Issued Ipc|No Eligible|Stall|DRAM Throughput|L1/TEX Hit|Dynamic Shared|Executed Instructions" "$OUT/ncu_bwd.txt" | head -60 | tee -a "$LOG"
+fi
 if has ptime; then
   step ptime
   timeout ${T_BUILD:-240} python -m kernels.build --preset profile -j 15 2>&1 | quiet | grep "kernels for" | tee -a "$LOG"
@@ -96,6 +108,11 @@ if has ttime; then
   step ttime
   timeout ${T_TTIME:-300} python -m benchmarks.profile_chunk --train ${TRAIN_VARIANTS:+--variants $TRAIN_VARIANTS} \
       ${TRAIN_SHAPES:+--shapes "$TRAIN_SHAPES"} ${TRAIN_TRACE:+--trace} 2>&1 | quiet | grep "TRAIN\|Error" | tee -a "$LOG"
+fi
+if has tlaunch; then
+  step tlaunch
+  timeout ${T_TTIME:-300} python -m benchmarks.profile_chunk --train-launches ${TRAIN_SHAPES:+--shapes "$TRAIN_SHAPES"} \
+      2>&1 | quiet | grep "TLAUNCH\|Error" | tee -a "$LOG"
 fi
 if has gacc; then
   step gacc

@@ -284,9 +284,10 @@ def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bo
 
 
 # Whether ops with backward kernels (``registry.KernelOp.backward``) train through them: the forward saves its
-# states and scratch, the reverse state pass runs as a kernel and the chunk-parallel rest in jnp
-# (``gdn2_jax.xla.chunk.chunk_backward_from_states``). False: the xla VJP recomputing the forward (sessions 1-5;
-# ``benchmarks/profile_chunk.py --train`` compares both). Read when an op's function is built (``_make_op`` is
+# states and scratch, then the backward kernels run (the reverse state pass and, since session 7, the
+# chunk-parallel WY and intra-chunk launches; with ``KERNEL_BACKWARD_OPTIONS = {"local_bwd": False}`` the
+# session-6 split: the state pass as a kernel, the rest in jnp, ``gdn2_jax.xla.chunk.chunk_backward_from_states``).
+# False: the xla VJP recomputing the forward (sessions 1-5; ``benchmarks/profile_chunk.py --train`` compares them). Read when an op's function is built (``_make_op`` is
 # memoised: clear its cache after changing this).
 KERNEL_BACKWARD = True
 # Extra options of the backward pipeline (``kernels.chunk_bwd.chunk_bwd_pipeline``), for measurements
@@ -297,37 +298,60 @@ KERNEL_BACKWARD_OPTIONS: dict = {}
 def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple):
     """``(f_fwd, f_bwd)`` of ``chunk_gdn2`` with its backward kernels (see :data:`KERNEL_BACKWARD`).
 
-    Residuals: the inputs, the forward's scratch that the reverse state pass reads (Aqk (+ AqkL), Y, QG, KG, GAM)
-    and the chunk start states ``h`` and ``v_new`` (fp32). Under ``jax.vmap`` the training custom calls run once
-    per mapped problem (``vmap_method="sequential"``, not folded into the kernels' batch as the inference path
-    is); the jnp part is batched as usual.
+    Residuals: the inputs, the forward's scratch that the backward kernels read (Aqk (+ AqkL), Y, QG, KG, GAM and
+    the solve Akk) and the chunk start states ``h`` and ``v_new`` (fp32). The backward kernels
+    (``kernels/chunk_bwd.py``) give dq, dk per value head, db, dg, dv, dw and dh0 in fp32; jnp sums the GVA groups,
+    applies the L2 norm's backward and casts. Under ``jax.vmap`` the training custom calls run once per mapped
+    problem (``vmap_method="sequential"``, not folded into the kernels' batch as the inference path is).
     """
     from .xla import chunk as xla_chunk
+    from .xla.common import l2norm
 
     train = op.pipeline(**cfg, save_states=True)
     bwd = op.backward_pipeline(**cfg, **KERNEL_BACKWARD_OPTIONS)
-    sc = tuple(n for n in bwd.inputs if n not in ("do", "dht", "cu_seqlens"))
+    local = "dq" in {b.name for b in bwd.outputs}  # False: the state pass only, the rest in jnp
+    made = {b.name for b in tuple(train.scratch) + tuple(train.outputs)}
+    sc = tuple(n for n in bwd.inputs if n in made)
+    if not local:
+        sc = tuple(dict.fromkeys(sc + ("h", "v_new")))
     varlen = "cu_seqlens" in names
     d = p.dims
+    group = d.HV // d.H
+    l2 = p.use_qk_l2norm_in_kernel
 
     def f_fwd(*arrays):  # (never CUDA-graph targets: graph capture is for decode, _prime only knows its inputs)
         res = run_pipeline(train, dict(zip(names, arrays)), return_scratch=True)
-        return tuple(res[n] for n in out_names), (arrays, {n: res[n] for n in sc + ("h", "v_new")})
+        return tuple(res[n] for n in out_names), (arrays, {n: res[n] for n in sc})
 
     def f_bwd(resid, cts):
         arrays, saved = resid
         a = dict(zip(names, arrays))
-        ins = {n: saved[n] for n in sc}
+        ins = {n: saved[n] for n in sc if n in bwd.inputs}
         ins["do"] = cts[0]
         if "dht" in bwd.inputs:
             ins["dht"] = cts[1]
         if varlen:
             ins["cu_seqlens"] = a["cu_seqlens"]
-        r = run_pipeline(bwd, ins)
-        grads = xla_chunk.chunk_backward_from_states(
-            d.scale, d.HV // d.H, p.use_qk_l2norm_in_kernel, a["q"], a["k"], a["v"], a["g"], a["b"], a["w"],
-            a.get("cu_seqlens"), saved["h"], saved["v_new"], r["dh"], r["dv"], cts[0])
-        full = dict(zip(("q", "k", "v", "g", "b", "w"), grads))
+        if local:
+            q32, k32 = (a[n].astype(jnp.float32) for n in ("q", "k"))
+            if l2:  # the kernels see the normalised q, k as the forward's kernels made them (input dtype)
+                (qn, kn), pull = jax.vjp(lambda x, y: (l2norm(x), l2norm(y)), q32, k32)
+            ins.update({n: a[n] for n in ("v", "g", "b", "w")})
+            ins["q"], ins["k"] = ((qn.astype(a["q"].dtype), kn.astype(a["k"].dtype)) if l2 else (a["q"], a["k"]))
+            r = run_pipeline(bwd, ins)
+            dq, dk = r["dq"], r["dk"]
+            if group > 1:  # value head j read q/k head j // group
+                dq, dk = (x.reshape(x.shape[:2] + (d.H, group, d.K)).sum(axis=3) for x in (dq, dk))
+            if l2:
+                dq, dk = pull((dq, dk))
+            grads = (dq, dk, r["dv"], r["dg"], r["db"], r["dw"])
+            full = {n: x.astype(a[n].dtype) for n, x in zip(("q", "k", "v", "g", "b", "w"), grads)}
+        else:
+            r = run_pipeline(bwd, ins)
+            grads = xla_chunk.chunk_backward_from_states(
+                d.scale, group, l2, a["q"], a["k"], a["v"], a["g"], a["b"], a["w"], a.get("cu_seqlens"),
+                saved["h"], saved["v_new"], r["dh"], r["dv"], cts[0])
+            full = dict(zip(("q", "k", "v", "g", "b", "w"), grads))
         if "h0" in a:
             full["h0"] = r["dh0"].astype(a["h0"].dtype)
         if varlen:

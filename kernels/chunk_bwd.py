@@ -23,9 +23,9 @@ still jnp (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
 
 from . import registry
-from ._common import CHUNK, drop_params
+from ._common import CHUNK, LOG2E, drop_params
 from ._pipeline import Buf, Launch, Pipeline
-from .chunk_fwd import seq_span, sizes_fn
+from .chunk_fwd import locate_chunk, seq_span, sizes_fn
 
 __all__ = ["chunk_dstate_pipeline", "chunk_bwd_pipeline"]
 
@@ -133,9 +133,317 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
     return drop_params(main, keep)
 
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# chunk-parallel backward: the WY/state part (gdn2_chunk_bwd_wy) and the intra-chunk part (gdn2_chunk_bwd_intra)
+# ----------------------------------------------------------------------------------------------------------------
+def _local_signature(*, H, HV, K, V, dtype, g_dtype):
+    """Buffer types of the two chunk-parallel backward launches (one ``T.Tensor`` per parameter)."""
+    import tilelang.language as T
+
+    C = CHUNK
+    acc = "float32"
+    B, Tn, NT, NP1 = (T.dynamic(n) for n in ("B", "T", "NT", "NP1"))
+    tok = lambda D, dt=acc, Hh=HV: T.Tensor((B, Tn, Hh, D), dt)  # noqa: E731
+    sig = dict(q=tok(K, dtype, H), k=tok(K, dtype, H), v=tok(V, dtype), g=tok(K, g_dtype), b=tok(K, dtype),
+               w=tok(V, dtype), Akk=tok(C), h=T.Tensor((B, NT, HV, K, V), acc), v_new=tok(V),
+               dh=T.Tensor((B, NT, HV, K, V), acc), dv_new=tok(V), do=tok(V, dtype),
+               cu_seqlens=T.Tensor((NP1,), "int32"), dq=tok(K), dk=tok(K), db=tok(K), dg=tok(K), dAqk=tok(C),
+               dT=tok(C), dgc=T.Tensor((B, NT, HV, K), acc), dv=tok(V), dw=tok(V))
+    return sig, (B, Tn, NT, NP1)
+
+
+def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen):
+    """Launch ``gdn2_chunk_bwd_wy`` (one block of 256 threads per chunk slot and value head; xla twin: the
+    output-stage shares ``chunk_o.o_bwd_local``, ``chunk_delta_h.state_bwd_parallel``, ``wy_fast.wy_bwd`` and
+    ``chunk_intra.solve_bwd``). Walks V in blocks of BV for the products over V (fp32 operands, TF32 tensor cores,
+    fp32 accumulators)::
+
+        dQG = dO S0^T,  dY = -dR S0^T,  dKG = R dS^T,  dAqk = tril(dO R^T),  dA = dR Z^T,  dZ = A^T dR
+        dv = dZ * w,  dw = dZ * v                        (final, per V-block)
+        dG_C = gamC * rowsum(dS * S0)
+
+    then over K: ``dEbar = A^T dY``, ``dA += dY Ebar^T`` and ``dT = -tril(A^T dA A^T, -1)``, and the partial
+    gradients ``dq = scale gam dQG``, ``dk = gam b dEbar + tail dKG``, ``db = gam k dEbar`` and
+    ``dG = Ebar dEbar + QG dQG - k tail dKG`` (w.r.t. the cumulative decay G; the chunk's last-row terms
+    ``dG_C + sum_r k tail dKG`` go to ``dgc`` per chunk slot). Writes dq, dk, db, dg (partials), dAqk, dT, dgc, dv, dw,
+    all fp32, rows of the chunk's sequence only. S0 = ``h``, dS = ``dh`` (end-state gradient), R = ``v_new``,
+    dR = ``dv_new``; A = ``Akk`` (forward, fp32). q and k as the forward's kernels read them (normalised when
+    the op normalises: the caller passes them so).
+    """
+    import tilelang.language as T
+
+    C = CHUNK
+    TH = 256
+    acc = "float32"
+    grp = HV // H
+    scale = float(scale)
+    sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype)
+
+    @T.prim_func
+    def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"], Akk: sig["Akk"],
+             h: sig["h"], v_new: sig["v_new"], dh: sig["dh"], dv_new: sig["dv_new"], do: sig["do"],
+             cu_seqlens: sig["cu_seqlens"], dq: sig["dq"], dk: sig["dk"], db: sig["db"], dg: sig["dg"],
+             dAqk: sig["dAqk"], dT: sig["dT"], dgc: sig["dgc"], dv: sig["dv"], dw: sig["dw"]):
+        with T.Kernel(NT * B, HV, threads=TH) as (bx, hv):
+            tx = T.get_thread_binding()
+            hq = hv // grp
+            Gs = T.alloc_shared((C, K), acc)          # within-chunk cumulative decay, base 2
+            AT = T.alloc_shared((C, C), acc)          # A^T
+            S0s, dSs = (T.alloc_shared((K, BV), acc) for _ in range(2))
+            Rs, dRs, dOs, Zs = (T.alloc_shared((C, BV), acc) for _ in range(4))
+            dYs, Ebs = (T.alloc_shared((C, K), acc) for _ in range(2))
+            dAs, F1s = (T.alloc_shared((C, C), acc) for _ in range(2))
+            gC = T.alloc_shared((K,), acc)
+            dQG, dY, dKG, dEb = (T.alloc_fragment((C, K), acc) for _ in range(4))
+            dAq, dA, F = (T.alloc_fragment((C, C), acc) for _ in range(3))
+            dZ = T.alloc_fragment((C, BV), acc)
+            csum = T.alloc_var(acc)
+            loc = T.alloc_local((4,), "int32")
+            t0a = T.alloc_local((1,), "int64")
+            locate_chunk(bx, cu_seqlens, Tn, NT, NP1, loc, t0a, varlen)
+            bb, slot, valid, t0 = loc[1], loc[2], loc[3], t0a[0]
+
+            if valid > 0:
+                for r, d in T.Parallel(C, K):
+                    Gs[r, d] = T.if_then_else(r < valid, T.cast(g[bb, t0 + r, hv, d], acc), 0.0) * LOG2E
+                for r, c in T.Parallel(C, C):
+                    AT[c, r] = T.if_then_else(r < valid, Akk[bb, t0 + r, hv, c], 0.0)
+                if tx < K:
+                    csum = 0.0
+                    for r in T.serial(C):
+                        csum = csum + Gs[r, tx]
+                        Gs[r, tx] = csum
+                    gC[tx] = 0.0
+                T.clear(dQG)
+                T.clear(dY)
+                T.clear(dKG)
+                T.clear(dAq)
+                T.clear(dA)
+                for vb in T.serial(V // BV):
+                    for i, e in T.Parallel(K, BV):
+                        S0s[i, e] = h[bb, slot, hv, i, vb * BV + e]
+                        dSs[i, e] = dh[bb, slot, hv, i, vb * BV + e]
+                    for r, e in T.Parallel(C, BV):
+                        Rs[r, e] = T.if_then_else(r < valid, v_new[bb, t0 + r, hv, vb * BV + e], 0.0)
+                        dRs[r, e] = T.if_then_else(r < valid, dv_new[bb, t0 + r, hv, vb * BV + e], 0.0)
+                        dOs[r, e] = T.if_then_else(r < valid, T.cast(do[bb, t0 + r, hv, vb * BV + e], acc), 0.0)
+                        Zs[r, e] = T.if_then_else(r < valid, T.cast(w[bb, t0 + r, hv, vb * BV + e], acc)
+                                                  * T.cast(v[bb, t0 + r, hv, vb * BV + e], acc), 0.0)
+                    T.gemm(dOs, S0s, dQG, transpose_B=True)      # dO S0^T
+                    T.gemm(dRs, S0s, dY, transpose_B=True)       # dR S0^T (= -dY)
+                    T.gemm(Rs, dSs, dKG, transpose_B=True)       # R dS^T
+                    T.gemm(dOs, Rs, dAq, transpose_B=True)       # dO R^T
+                    T.gemm(dRs, Zs, dA, transpose_B=True)        # dR Z^T
+                    T.gemm(AT, dRs, dZ, clear_accum=True)        # A^T dR
+                    for r, e in T.Parallel(C, BV):
+                        if r < valid:
+                            dv[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(w[bb, t0 + r, hv, vb * BV + e], acc)
+                            dw[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(v[bb, t0 + r, hv, vb * BV + e], acc)
+                    if tx < K:  # sum_e dS * S0 of row tx (columns visited in a rotated order: no bank conflicts)
+                        csum = 0.0
+                        for e in T.serial(BV):
+                            csum = csum + dSs[tx, (e + tx) % BV] * S0s[tx, (e + tx) % BV]
+                        gC[tx] = gC[tx] + csum
+                for r, d in T.Parallel(C, K):
+                    Ebs[r, d] = T.if_then_else(r < valid, T.exp2(Gs[r, d]) * T.cast(b[bb, t0 + r, hv, d], acc)
+                                               * T.cast(k[bb, t0 + r, hq, d], acc), 0.0)
+                    dYs[r, d] = -dY[r, d]
+                T.gemm(AT, dYs, dEb, clear_accum=True)          # dEbar = A^T dY
+                T.gemm(dYs, Ebs, dA, transpose_B=True)          # dA += dY Ebar^T
+                for r, d in T.Parallel(C, K):
+                    if r < valid:
+                        dq[bb, t0 + r, hv, d] = scale * T.exp2(Gs[r, d]) * dQG[r, d]
+                        dk[bb, t0 + r, hv, d] = (dEb[r, d] * T.exp2(Gs[r, d]) * T.cast(b[bb, t0 + r, hv, d], acc)
+                                                 + T.exp2(Gs[C - 1, d] - Gs[r, d]) * dKG[r, d])
+                        db[bb, t0 + r, hv, d] = dEb[r, d] * T.exp2(Gs[r, d]) * T.cast(k[bb, t0 + r, hq, d], acc)
+                        dg[bb, t0 + r, hv, d] = (Ebs[r, d] * dEb[r, d]
+                                                 + scale * T.exp2(Gs[r, d]) * T.cast(q[bb, t0 + r, hq, d], acc)
+                                                 * dQG[r, d]
+                                                 - T.cast(k[bb, t0 + r, hq, d], acc)
+                                                 * T.exp2(Gs[C - 1, d] - Gs[r, d]) * dKG[r, d])
+                    # k tail dKG, for the column sums of the last row's term (dY is no longer needed)
+                    dYs[r, d] = T.if_then_else(r < valid, T.cast(k[bb, t0 + r, hq, d], acc)
+                                               * T.exp2(Gs[C - 1, d] - Gs[r, d]) * dKG[r, d], 0.0)
+                if tx < K:
+                    csum = 0.0
+                    for r in T.serial(C):
+                        csum = csum + dYs[r, tx]
+                    dgc[bb, slot, hv, tx] = T.exp2(Gs[C - 1, tx]) * gC[tx] + csum
+                # dT = -tril(A^T dA A^T, -1);  dAqk = tril(dO R^T)
+                T.copy(dA, dAs)
+                T.gemm(AT, dAs, F, clear_accum=True)            # A^T dA
+                T.copy(F, F1s)
+                T.gemm(F1s, AT, F, clear_accum=True)            # (A^T dA) A^T
+                for r, c in T.Parallel(C, C):
+                    if r < valid:
+                        dT[bb, t0 + r, hv, c] = T.if_then_else(c < r, -F[r, c], 0.0)
+                        dAqk[bb, t0 + r, hv, c] = T.if_then_else(c <= r, dAq[r, c], 0.0)
+
+    keep = {"q", "k", "v", "g", "b", "w", "Akk", "h", "v_new", "dh", "dv_new", "do", "dq", "dk", "db", "dg",
+            "dAqk", "dT", "dgc", "dv", "dw"} | ({"cu_seqlens"} if varlen else set())
+    return drop_params(main, keep)
+
+
+def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen):
+    """Launch ``gdn2_chunk_bwd_intra`` (one block of 256 threads per chunk slot and value head; xla twin:
+    ``chunk_intra.intra_bwd`` and ``cumsum.chunk_local_cumsum_bwd``). From ``dAqk`` and ``dT`` of
+    ``gdn2_chunk_bwd_wy``, per channel slice of DC = 32 (the products are independent per channel)::
+
+        dq_r += scale sum_s dAqk_rs k_s Gam_rs,   P_r = sum_s dT_rs k_s Gam_rs       (rows)
+        CS_s  = sum_r (scale dAqk_rs q_r + dT_rs b_r k_r) Gam_rs                      (columns)
+        db += k P,   dk += b P + CS,   dG += q dq_scores + b k P - k CS,   Gam_rs = exp(G_r - G_s)
+
+    The blocks below the diagonal (row sub-chunk i of 16 rows against the columns before it) are TF32 products
+    anchored at the sub-chunk's first row n: ``[dAqk; dT]_i (k_s 2^(G_n - G_s))`` for the rows and
+    ``[dAqk; dT]_i^T ([scale q; b k]_r 2^(G_r - G_n))`` for the columns (every exponent <= 0); the 16 x 16 diagonal
+    blocks are exact fp32 sums. Then the partials of ``gdn2_chunk_bwd_wy`` are added (dq, dk, db updated in
+    place), the last-row term ``dgc`` joins the chunk's last row, and dg is the reverse cumsum of dG within the
+    chunk (in place in ``dg``).
+    """
+    import tilelang.language as T
+
+    C, BC = CHUNK, 16
+    TH = 256
+    acc = "float32"
+    grp = HV // H
+    DC = 32
+    NDC = K // DC
+    NSEG = TH // DC
+    SEG = C // NSEG
+    scale = float(scale)
+    sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=K, dtype=dtype, g_dtype=g_dtype)
+
+    @T.macro
+    def off_diag(i, M, MT, Kf, Xf, kc, qc, bc, Gc, Ro, Co, dqs, Ps, CSs):
+        # row sub-chunk i (rows n .. n+15, n = i*BC) against the columns s < n, anchored at row n
+        for s_, d in T.Parallel(C, DC):
+            Kf[s_, d] = T.if_then_else(s_ < i * BC, kc[s_, d] * T.exp2(T.min(Gc[i * BC, d] - Gc[s_, d], 0.0)),
+                                       0.0)
+        for r, d in T.Parallel(2 * BC, DC):
+            Xf[r, d] = T.if_then_else(r < BC, scale * qc[i * BC + r % BC, d], bc[i * BC + r % BC, d]
+                                      * kc[i * BC + r % BC, d]) * T.exp2(
+                T.min(Gc[i * BC + r % BC, d] - Gc[i * BC, d], 0.0))
+        T.gemm(M, Kf, Ro, clear_accum=True)
+        T.gemm(MT, Xf, Co, clear_accum=True)
+        for r, d in T.Parallel(2 * BC, DC):
+            if r < BC:
+                dqs[i * BC + r, d] = dqs[i * BC + r, d] + scale * Ro[r, d] * T.exp2(
+                    T.min(Gc[i * BC + r, d] - Gc[i * BC, d], 0.0))
+            else:
+                Ps[i * BC + r - BC, d] = Ps[i * BC + r - BC, d] + Ro[r, d] * T.exp2(
+                    T.min(Gc[i * BC + r - BC, d] - Gc[i * BC, d], 0.0))
+        for s_, d in T.Parallel(C, DC):
+            if s_ < i * BC:
+                CSs[s_, d] = CSs[s_, d] + Co[s_, d] * T.exp2(T.min(Gc[i * BC, d] - Gc[s_, d], 0.0))
+
+    @T.prim_func
+    def main(dAqk: sig["dAqk"], dT: sig["dT"], dgc: sig["dgc"], q: sig["q"], k: sig["k"], g: sig["g"],
+             b: sig["b"], cu_seqlens: sig["cu_seqlens"], dq: sig["dq"], dk: sig["dk"], db: sig["db"],
+             dg: sig["dg"]):
+        with T.Kernel(NT * B, HV, threads=TH) as (bx, hv):
+            tx = T.get_thread_binding()
+            hq = hv // grp
+            dAs, dTs = (T.alloc_shared((C, C), acc) for _ in range(2))
+            # sub-chunk i's rows of [dAqk; dT] against the columns before it (i = 1..3), and their transposes
+            M1, M2, M3 = (T.alloc_shared((2 * BC, C), acc) for _ in range(3))
+            MT1, MT2, MT3 = (T.alloc_shared((C, 2 * BC), acc) for _ in range(3))
+            Gc, qc, kc, bc = (T.alloc_shared((C, DC), acc) for _ in range(4))
+            Kf = T.alloc_shared((C, DC), acc)
+            Xf = T.alloc_shared((2 * BC, DC), acc)
+            dqs, Ps, CSs = (T.alloc_shared((C, DC), acc) for _ in range(3))
+            tot = T.alloc_shared((NSEG, DC), acc)
+            Ro = T.alloc_fragment((2 * BC, DC), acc)
+            Co = T.alloc_fragment((C, DC), acc)
+            csum = T.alloc_var(acc)
+            loc = T.alloc_local((4,), "int32")
+            t0a = T.alloc_local((1,), "int64")
+            locate_chunk(bx, cu_seqlens, Tn, NT, NP1, loc, t0a, varlen)
+            bb, slot, valid, t0 = loc[1], loc[2], loc[3], t0a[0]
+
+            if valid > 0:
+                for r, c in T.Parallel(C, C):
+                    dAs[r, c] = T.if_then_else(r < valid, dAqk[bb, t0 + r, hv, c], 0.0)
+                    dTs[r, c] = T.if_then_else(r < valid, dT[bb, t0 + r, hv, c], 0.0)
+                for r, c in T.Parallel(2 * BC, C):
+                    M1[r, c] = T.if_then_else(c < BC, T.if_then_else(r < BC, dAs[BC + r, c], dTs[r, c]), 0.0)
+                    M2[r, c] = T.if_then_else(c < 2 * BC, T.if_then_else(r < BC, dAs[2 * BC + r, c],
+                                                                          dTs[BC + r, c]), 0.0)
+                    M3[r, c] = T.if_then_else(c < 3 * BC, T.if_then_else(r < BC, dAs[3 * BC + r, c],
+                                                                          dTs[2 * BC + r, c]), 0.0)
+                for c, r in T.Parallel(C, 2 * BC):
+                    MT1[c, r] = M1[r, c]
+                    MT2[c, r] = M2[r, c]
+                    MT3[c, r] = M3[r, c]
+                for dcb in T.serial(NDC):
+                    for r, d in T.Parallel(C, DC):
+                        Gc[r, d] = T.if_then_else(r < valid, T.cast(g[bb, t0 + r, hv, dcb * DC + d], acc), 0.0) * LOG2E
+                        qc[r, d] = T.if_then_else(r < valid, T.cast(q[bb, t0 + r, hq, dcb * DC + d], acc), 0.0)
+                        kc[r, d] = T.if_then_else(r < valid, T.cast(k[bb, t0 + r, hq, dcb * DC + d], acc), 0.0)
+                        bc[r, d] = T.if_then_else(r < valid, T.cast(b[bb, t0 + r, hv, dcb * DC + d], acc), 0.0)
+                    # cumulative sum of the slice: segment prefix, then segment offsets
+                    csum = 0.0
+                    for r in T.serial(SEG):
+                        csum = csum + Gc[(tx // DC) * SEG + r, tx % DC]
+                        Gc[(tx // DC) * SEG + r, tx % DC] = csum
+                    tot[tx // DC, tx % DC] = csum
+                    csum = 0.0
+                    for sg in T.serial(NSEG - 1):
+                        if sg < tx // DC:
+                            csum = csum + tot[sg, tx % DC]
+                    for r in T.serial(SEG):
+                        Gc[(tx // DC) * SEG + r, tx % DC] = Gc[(tx // DC) * SEG + r, tx % DC] + csum
+                    # the 16 x 16 diagonal blocks, exact: rows (dq, P) and columns (CS)
+                    for r, d in T.Parallel(C, DC):
+                        dqs[r, d] = 0.0
+                        Ps[r, d] = 0.0
+                        CSs[r, d] = 0.0
+                        for j in T.serial(BC):
+                            dqs[r, d] = dqs[r, d] + dAs[r, (r // BC) * BC + j] * kc[(r // BC) * BC + j, d] * T.exp2(
+                                T.min(Gc[r, d] - Gc[(r // BC) * BC + j, d], 0.0))
+                            Ps[r, d] = Ps[r, d] + dTs[r, (r // BC) * BC + j] * kc[(r // BC) * BC + j, d] * T.exp2(
+                                T.min(Gc[r, d] - Gc[(r // BC) * BC + j, d], 0.0))
+                            CSs[r, d] = CSs[r, d] + (
+                                scale * dAs[(r // BC) * BC + j, r] * qc[(r // BC) * BC + j, d]
+                                + dTs[(r // BC) * BC + j, r] * bc[(r // BC) * BC + j, d] * kc[(r // BC) * BC + j, d]
+                            ) * T.exp2(T.min(Gc[(r // BC) * BC + j, d] - Gc[r, d], 0.0))
+                        dqs[r, d] = dqs[r, d] * scale
+                    off_diag(1, M1, MT1, Kf, Xf, kc, qc, bc, Gc, Ro, Co, dqs, Ps, CSs)
+                    off_diag(2, M2, MT2, Kf, Xf, kc, qc, bc, Gc, Ro, Co, dqs, Ps, CSs)
+                    off_diag(3, M3, MT3, Kf, Xf, kc, qc, bc, Gc, Ro, Co, dqs, Ps, CSs)
+                    # combine with the WY partials; dG into Kf (free now)
+                    for r, d in T.Parallel(C, DC):
+                        if r < valid:
+                            dq[bb, t0 + r, hv, dcb * DC + d] = dq[bb, t0 + r, hv, dcb * DC + d] + dqs[r, d]
+                            dk[bb, t0 + r, hv, dcb * DC + d] = (dk[bb, t0 + r, hv, dcb * DC + d]
+                                                                + bc[r, d] * Ps[r, d] + CSs[r, d])
+                            db[bb, t0 + r, hv, dcb * DC + d] = db[bb, t0 + r, hv, dcb * DC + d] + kc[r, d] * Ps[r, d]
+                        Kf[r, d] = T.if_then_else(
+                            r < valid, dg[bb, t0 + r, hv, dcb * DC + d] + qc[r, d] * dqs[r, d]
+                            + bc[r, d] * kc[r, d] * Ps[r, d] - kc[r, d] * CSs[r, d]
+                            + T.if_then_else(r == valid - 1, dgc[bb, slot, hv, dcb * DC + d], 0.0), 0.0)
+                    # dg = reverse cumsum of dG: segment suffix sums, then the later segments' totals
+                    csum = 0.0
+                    for r in T.serial(SEG):
+                        csum = csum + Kf[(tx // DC) * SEG + SEG - 1 - r, tx % DC]
+                        Kf[(tx // DC) * SEG + SEG - 1 - r, tx % DC] = csum
+                    tot[tx // DC, tx % DC] = csum
+                    csum = 0.0
+                    for sg in T.serial(NSEG):
+                        if sg > tx // DC:
+                            csum = csum + tot[sg, tx % DC]
+                    for r in T.serial(SEG):
+                        if (tx // DC) * SEG + r < valid:
+                            dg[bb, t0 + (tx // DC) * SEG + r, hv, dcb * DC + tx % DC] = (
+                                Kf[(tx // DC) * SEG + r, tx % DC] + csum)
+
+    keep = {"q", "k", "g", "b", "dAqk", "dT", "dgc", "dq", "dk", "db", "dg"} | ({"cu_seqlens"} if varlen else set())
+    return drop_params(main, keep)
+
+
 def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool, varlen: bool,
                           aqk_split: bool = True, block_v: int | None = None, stages: int = 2,
-                          split_ds: bool = False) -> Pipeline:
+                          split_ds: bool = False, dv_name: str = "dv") -> Pipeline:
     """Pipeline of the reverse state-gradient pass (one launch, see the module docstring).
 
     Inputs: the forward's scratch ``Aqk`` (and ``AqkL`` when ``aqk_split``, as ``chunk_fwd_pipeline`` stores
@@ -144,7 +452,8 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
     ``varlen`` (then B == 1). Outputs ``dh [B, NT, HV, K, V]``, ``dv [B, T, HV, V]``, ``dh0 [N, HV, K, V]``, all
     fp32. K, V in {64, 128}; ``block_v`` (default 16 for HV < 32, else 32, as the forward's state kernel) divides V.
     ``split_ds`` (experimental): dS and dR enter their products in the input dtype plus their rounding residuals
-    (two products each), so only the forward's scratch carries 16-bit rounding.
+    (two products each), so only the forward's scratch carries 16-bit rounding. ``dv_name`` names the dR output
+    (``chunk_bwd_pipeline`` calls it ``dv_new``, as FLA's gradient of ``v_new``).
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_dstate_pipeline"
@@ -155,7 +464,7 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
         raise ValueError(f"{fn}: block_v={BV} must be 16, 32, 64 or 128 and divide V={V}")
     inputs = (("Aqk",) + (("AqkL",) if aqk_split else ()) + ("Y", "QG", "KG", "GAM", "do")
               + (("dht",) if use_dht else ()) + (("cu_seqlens",) if varlen else ()))
-    outputs = (Buf("dh", ("B", "NT", HV, K, V), "float32"), Buf("dv", ("B", "T", HV, V), "float32"),
+    outputs = (Buf("dh", ("B", "NT", HV, K, V), "float32"), Buf(dv_name, ("B", "T", HV, V), "float32"),
                Buf("dh0", ("N", HV, K, V), "float32"))
     kw = dict(HV=HV, K=K, V=V, BV=BV, dtype=dtype, use_dht=bool(use_dht), varlen=bool(varlen), stages=int(stages),
               aqk_split=bool(aqk_split))
@@ -169,11 +478,41 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
 def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        aqk_split: bool = True, split_ds: bool = False, block_v: int | None = None, stages: int = 2,
-                       **_forward_options) -> Pipeline:
+                       local_bwd: bool = True, **_forward_options) -> Pipeline:
     """The backward kernels of ``chunk_gdn2`` for the forward configuration ``registry.config(...)`` (the same
     keyword arguments as ``chunk_fwd_pipeline``; ``block_v`` and ``stages`` apply to both state passes, the
-    forward's other tuning options are ignored). Today one launch, the
-    reverse state pass (:func:`chunk_dstate_pipeline`, with the final state's cotangent ``dht`` as an input when the
-    forward outputs ``ht``); the other stages of the backward run in the caller (``gdn2_jax.xla.chunk``)."""
-    return chunk_dstate_pipeline(HV=HV, K=K, V=V, dtype=dtype, use_dht=output_final_state, varlen=varlen,
-                                 aqk_split=aqk_split, split_ds=split_ds, block_v=block_v, stages=stages)
+    forward's other tuning options are ignored; ``use_qk_l2norm`` does not change the kernels: the caller passes
+    the normalised q, k and applies the norm's backward).
+
+    Launches: the reverse state pass (``gdn2_chunk_dstate``, with the final state's cotangent ``dht`` as an input
+    when the forward outputs ``ht``), then the chunk-parallel ``gdn2_chunk_bwd_wy`` and ``gdn2_chunk_bwd_intra``
+    (module docstring). Inputs: the forward's scratch (``Aqk`` (+ ``AqkL``), ``Y``, ``QG``, ``KG``, ``GAM``,
+    ``Akk``) and states (``h``, ``v_new``), ``do``, ``dht``, ``cu_seqlens`` and the op's q, k, v, g, b, w.
+    Outputs, fp32: ``dh0 [N, HV, K, V]``; ``dq, dk, dg, db [B, T, HV, K]`` (dq, dk per *value* head: the caller
+    sums GVA groups) and ``dv, dw [B, T, HV, V]``. ``local_bwd=False``: the state pass only (outputs ``dh``,
+    ``dv`` = dR and ``dh0``), the rest left to the caller (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
+    """
+    kw = dict(HV=HV, K=K, V=V, dtype=dtype, use_dht=output_final_state, varlen=varlen, aqk_split=aqk_split,
+              split_ds=split_ds, block_v=block_v, stages=stages)
+    if not local_bwd:
+        return chunk_dstate_pipeline(**kw)
+    state = chunk_dstate_pipeline(**kw, dv_name="dv_new")
+    cu = ("cu_seqlens",) if varlen else ()
+    kl = dict(H=H, HV=HV, K=K, dtype=dtype, g_dtype=g_dtype, scale=float(scale), varlen=bool(varlen))
+    kw_wy = dict(kl, V=V, BV=32)
+    wy = Launch(name="gdn2_chunk_bwd_wy", key=("gdn2_chunk_bwd_wy", _VERSION) + tuple(sorted(kw_wy.items())),
+                build=lambda: _wy_bwd_prim(**kw_wy),
+                args=("q", "k", "v", "g", "b", "w", "Akk", "h", "v_new", "dh", "dv_new", "do") + cu
+                + ("dq", "dk", "db", "dg", "dAqk", "dT", "dgc", "dv", "dw"))
+    intra = Launch(name="gdn2_chunk_bwd_intra", key=("gdn2_chunk_bwd_intra", _VERSION) + tuple(sorted(kl.items())),
+                   build=lambda: _intra_bwd_prim(**kl),
+                   args=("dAqk", "dT", "dgc", "q", "k", "g", "b") + cu + ("dq", "dk", "db", "dg"))
+    f32 = "float32"
+    tok = lambda n, D: Buf(n, ("B", "T", HV, D), f32)  # noqa: E731
+    inputs = state.inputs + ("q", "k", "v", "g", "b", "w", "Akk", "h", "v_new")
+    scratch = (Buf("dh", ("B", "NT", HV, K, V), f32), tok("dv_new", V), tok("dAqk", CHUNK), tok("dT", CHUNK),
+               Buf("dgc", ("B", "NT", HV, K), f32))
+    outputs = (Buf("dh0", ("N", HV, K, V), f32), tok("dq", K), tok("dk", K), tok("db", K), tok("dg", K),
+               tok("dv", V), tok("dw", V))
+    return Pipeline(inputs=inputs, scratch=scratch, outputs=outputs, launches=state.launches + (wy, intra),
+                    sizes=sizes_fn(varlen, "do"))

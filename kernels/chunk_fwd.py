@@ -64,6 +64,40 @@ def seq_span(n, cu_seqlens, Tn, varlen: bool):
     return n, T.int64(0), Tn, 0
 
 
+def locate_chunk(bx, cu_seqlens, Tn, NT, NP1, loc, t0, varlen: bool):
+    """Where the chunk of block ``bx`` (one block per chunk slot, ``bx`` in [0, NT * B)) lives, for the kernels that
+    take one chunk per block (inside a prim_func, as a ``T.macro``): fills ``loc`` (int32 local ``[4]``) with
+    ``(scratch, batch row, chunk slot, valid rows)`` and ``t0`` (int64 local ``[1]``) with the chunk's first token.
+    Varlen: a binary search over ``cu_seqlens`` finds the sequence n with ``n + cu[n] // 64 <= bx`` (slots as
+    ``num_chunk_slots``); a slot past its sequence's chunks gets ``valid <= 0``."""
+    import tilelang.language as T
+
+    C = CHUNK
+
+    @T.macro
+    def body(bx, cu_seqlens, loc, t0):
+        if varlen:
+            loc[0] = 0
+            loc[1] = NP1 - 2
+            for _it in T.serial(32):
+                if loc[0] < loc[1]:
+                    if (loc[0] + loc[1] + 1) // 2 + cu_seqlens[(loc[0] + loc[1] + 1) // 2] // C <= bx:
+                        loc[0] = (loc[0] + loc[1] + 1) // 2
+                    else:
+                        loc[1] = (loc[0] + loc[1] + 1) // 2 - 1
+            loc[1] = 0
+            loc[2] = bx
+            t0[0] = T.cast(cu_seqlens[loc[0]], "int64") + T.cast(bx - loc[0] - cu_seqlens[loc[0]] // C, "int64") * C
+            loc[3] = T.min(T.cast(T.cast(cu_seqlens[loc[0] + 1], "int64") - t0[0], "int32"), C)
+        else:
+            loc[1] = bx // NT
+            loc[2] = bx % NT
+            t0[0] = T.cast(bx % NT, "int64") * C
+            loc[3] = T.min(Tn - (bx % NT) * C, C)
+
+    return body(bx, cu_seqlens, loc, t0)
+
+
 def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
     """Buffer types of both launches (every optional buffer included; ``drop_params`` removes unused ones).
 
@@ -85,6 +119,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
         Aqk=T.Tensor((B, Tn, HV, C), dtype), AqkL=T.Tensor((B, Tn, HV, C), dtype),
         Y=T.Tensor((B, Tn, HV, K), dtype), U=T.Tensor((B, Tn, HV, V), dtype),
         QG=T.Tensor((B, Tn, HV, K), dtype), KG=T.Tensor((B, Tn, HV, K), dtype), GAM=T.Tensor((B, NT, HV, K), f32),
+        Akk=T.Tensor((B, Tn, HV, C), f32),
         o=T.Tensor((B, Tn, HV, V), dtype), ht=T.Tensor((N, HV, K, V), f32),
         h=T.Tensor((B, NT, HV, K, V), f32), v_new=T.Tensor((B, Tn, HV, V), f32),
     )
@@ -95,7 +130,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # launch 1: intra-chunk (cumsum, Aqk, T, solve, WY auxiliaries)
 # ----------------------------------------------------------------------------------------------------------------
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
-                exact_self=False, tf32_round=False, aqk_split=False):
+                exact_self=False, tf32_round=False, aqk_split=False, save_a=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (about 83 KB for K = V = 128) and
@@ -187,7 +222,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     @T.prim_func
     def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"],
              cu_seqlens: sig["cu_seqlens"], Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], U: sig["U"],
-             QG: sig["QG"], KG: sig["KG"], GAM: sig["GAM"]):
+             QG: sig["QG"], KG: sig["KG"], GAM: sig["GAM"], Akk: sig["Akk"]):
         with T.Kernel(NT * B, HV, threads=TH) as (bx, hv):
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
@@ -218,29 +253,11 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             if exact_self:
                 sdot = T.alloc_var(acc)
             fast = T.alloc_var("int32")
-            lo, hi = (T.alloc_var("int32") for _ in range(2))
             # block-uniform coordinates computed once (as expressions they were re-derived at every access)
-            bb, slot, valid = (T.alloc_var("int32") for _ in range(3))
-            t0 = T.alloc_var("int64")
-
-            if varlen:
-                lo = 0
-                hi = NP1 - 2
-                for _it in T.serial(32):
-                    if lo < hi:
-                        if (lo + hi + 1) // 2 + cu_seqlens[(lo + hi + 1) // 2] // C <= bx:
-                            lo = (lo + hi + 1) // 2
-                        else:
-                            hi = (lo + hi + 1) // 2 - 1
-                bb = 0
-                slot = bx
-                t0 = T.cast(cu_seqlens[lo], "int64") + T.cast(bx - lo - cu_seqlens[lo] // C, "int64") * C
-                valid = T.min(T.cast(T.cast(cu_seqlens[lo + 1], "int64") - t0, "int32"), C)
-            else:
-                bb = bx // NT
-                slot = bx % NT
-                t0 = T.cast(slot, "int64") * C
-                valid = T.min(Tn - slot * C, C)
+            loc = T.alloc_local((4,), "int32")
+            t0a = T.alloc_local((1,), "int64")
+            locate_chunk(bx, cu_seqlens, Tn, NT, NP1, loc, t0a, varlen)
+            bb, slot, valid, t0 = loc[1], loc[2], loc[3], t0a[0]
 
             if valid > 0:
                 if l2norm:
@@ -391,6 +408,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     N2s[r, c] = tfr(T.if_then_else(r == c, 1.0, 0.0) - Ns[r, c] + N2s[r, c] - Nf[r, c])
                 T.gemm(N2s, Ds, Nf, clear_accum=True)
                 T.copy(Nf, As)
+                if save_a:  # A = (I + T)^-1 in fp32 for the backward (training forward)
+                    for r, c in T.Parallel(C, C):
+                        if r < valid:
+                            Akk[bb, t0 + r, hv, c] = Nf[r, c]
 
                 # ---- WY auxiliaries ----
                 for r, e in T.Parallel(C, V):
@@ -407,6 +428,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
 
     keep = {"q", "k", "v", "g", "b", "w", "Aqk", "Y", "U", "QG", "KG", "GAM"} | ({"cu_seqlens"} if varlen else set())
     keep |= {"AqkL"} if aqk_split else set()
+    keep |= {"Akk"} if save_a else set()
     return drop_params(main, keep)
 
 
@@ -532,7 +554,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     scratch buffer ``[B,T,HV,64]``, and used as two products in launch 2; o's RMS ratio vs fp64 on the spec case
     2.87-2.95e-3 instead of 3.21-3.31e-3, for ~3% more time; off reproduces kernel v5).
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
-    start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names).
+    start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
+    and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_fwd_pipeline"
@@ -555,7 +578,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         Buf("QG", ("B", "T", HV, K), dtype),
         Buf("KG", ("B", "T", HV, K), dtype),
         Buf("GAM", ("B", "NT", HV, K), "float32"),
-    )
+    ) + ((Buf("Akk", ("B", "T", HV, CHUNK), "float32"),) if save_states else ())
     outputs = (Buf("o", ("B", "T", HV, V), dtype),) + (
         (Buf("ht", ("N", HV, K, V), "float32"),) if output_final_state else ()) + (
         (Buf("h", ("B", "NT", HV, K, V), "float32"), Buf("v_new", ("B", "T", HV, V), "float32"))
@@ -567,12 +590,13 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     kw1.update(threads=int(intra_threads), min_blocks=int(intra_min_blocks), exact_diag=bool(exact_diag))
     # (precision options enter the key only when on: the kernels without them keep v5's key and code)
     kw1.update({n: True for n, on in (("exact_self", exact_self), ("tf32_round", tf32_round),
-                                      ("aqk_split", aqk_split)) if on})
+                                      ("aqk_split", aqk_split), ("save_a", save_states)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),
         build=lambda: _intra_prim(**kw1),
-        args=("q", "k", "v", "g", "b", "w") + (("cu_seqlens",) if varlen else ()) + sc,
+        args=("q", "k", "v", "g", "b", "w") + (("cu_seqlens",) if varlen else ()) + sc
+        + (("Akk",) if save_states else ()),
     )
     kw2 = dict(HV=HV, K=K, V=V, BV=BV, dtype=dtype, use_h0=bool(use_initial_state),
                store_ht=bool(output_final_state), varlen=bool(varlen), stages=int(stages))

@@ -602,3 +602,60 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen):
                              ("dh0", got["dh0"][n_], dh0)):
             r = _gpu_rms(a, ref)
             assert r <= 1e-2, (n_, name, r)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("varlen,gdist", [(False, "spec"), (True, "swept")])
+def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist):
+    """The chunk-parallel backward launches (``gdn2_chunk_bwd_wy`` + ``gdn2_chunk_bwd_intra``, after the reverse
+    state pass, ``kernels/chunk_bwd.py``), fed the training forward's own scratch and states, against their xla twin
+    ``xla.chunk.chunk_backward_from_states`` (fp32 jnp on the CPU) on the same h, v_new, dh and dR: the six
+    gradients (dq, dk summed over the GVA groups here) by RMS ratio; NaN-poisoned outputs (every element written);
+    bit-identical reruns. Dense T = 200 (a partial last chunk; gates of the spec distribution) and packed
+    sequences of 0, 70, 130 tokens (gates swept down to -60, mixed within a chunk)."""
+    import torch
+
+    from gdn2_jax.xla import chunk as xc
+    from kernels import registry, torch_api
+
+    H, HV, K_, V_ = 2, 4, 128, 128
+    cu = [0, 0, 70, 200] if varlen else None
+    B, T, N = (1, 200, 3) if varlen else (2, 200, 2)
+    x = _gpu_inputs(31, B, T, H, HV, K_, V_, False, gdist)
+    x["h0"] = np.random.default_rng(32).standard_normal((N, HV, K_, V_)).astype(np.float32)
+    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
+                          use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)
+    op = registry.get("chunk_gdn2")
+    t = {n: _torch(a) for n, a in x.items()}
+    if varlen:
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    fwd = torch_api.run_pipeline(op.pipeline(**cfg, save_states=True), t, return_scratch=True)
+    rng = np.random.default_rng(33)
+    do = _bf16(rng.standard_normal((B, T, HV, V_)))
+    pipe = op.backward_pipeline(**cfg)
+    assert [la.name for la in pipe.launches] == ["gdn2_chunk_dstate", "gdn2_chunk_bwd_wy", "gdn2_chunk_bwd_intra"]
+    ins = {n: (fwd[n] if n in fwd else t[n]) for n in pipe.inputs if n not in ("do", "dht")}
+    ins.update(do=_torch(do), dht=_torch(rng.standard_normal((N, HV, K_, V_)).astype(np.float32)))
+    shapes = pipe.buffer_shapes({n: tuple(a.shape) for n, a in ins.items()})
+
+    def run():
+        out = {b.name: torch.full(shapes[b.name], float("nan"), device="cuda") for b in pipe.outputs}
+        return torch_api.run_pipeline(pipe, ins, out=out, return_scratch=True)
+
+    r1, r2 = run(), run()
+    torch.cuda.synchronize()
+    names = ("dq", "dk", "dv", "dg", "db", "dw", "dh0")
+    for n in names:
+        torch.testing.assert_close(r1[n], r2[n], rtol=0, atol=0, msg=n)
+    got = {n: _np(r1[n]) for n in names}
+    for n in ("dq", "dk"):  # value head j read q/k head j // 2
+        got[n] = got[n].reshape(B, T, H, 2, K_).sum(axis=3)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        ref = xc.chunk_backward_from_states(
+            K_ ** -0.5, HV // H, False, *(jnp.asarray(np.asarray(x[n], np.float32)) for n in "qkvgbw"),
+            None if cu is None else jnp.asarray(cu, jnp.int32), *(jnp.asarray(_np(a)) for a in (
+                fwd["h"], fwd["v_new"], r1["dh"], r1["dv_new"])), jnp.asarray(np.asarray(do, np.float32)))
+    for name, a, r in zip(names, (got[n] for n in names), ref):
+        e = _gpu_rms(a, np.asarray(r))
+        assert e <= 5e-3, (name, e)
