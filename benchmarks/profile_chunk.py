@@ -81,6 +81,7 @@ def _switches(kernel_backward=None, factored=None, levels=None, options=None):
 GRAD_VARIANTS = {  # name -> _switches of the backward
     "xla": dict(kernel_backward=False), "kernel": dict(kernel_backward=True, options={}),
     "kernel_jnp": dict(kernel_backward=True, options={"local_bwd": False}),
+    "kernel_rd": dict(kernel_backward=True, options={"reg_diag": True}),
     "split_ds": dict(kernel_backward=True, options={"split_ds": True})}
 
 
@@ -243,7 +244,8 @@ def time_train_launches(shapes, once=0):
                               varlen=False, use_qk_l2norm=False)
         row = {"B": B, "T": T, "H": H}
         fwd = op.pipeline(**cfg, save_states=True)
-        bwd = op.backward_pipeline(**cfg)
+        bwds = {"": op.backward_pipeline(**cfg), "rd:": op.backward_pipeline(**cfg, reg_diag=True)}
+        bwd = bwds[""]
         if once:
             for _ in range(once):
                 res = torch_api.run_pipeline(fwd, x, return_scratch=True)
@@ -258,9 +260,10 @@ def time_train_launches(shapes, once=0):
         ins = {n: (res[n] if n in res else x[n]) for n in bwd.inputs if n not in ("do", "dht")}
         ins["do"] = torch.randn_like(res["o"])
         ins["dht"] = torch.randn_like(res["ht"])
-        for la, fn in bench_lib.stage_callables(bwd, ins):
-            row[f"bwd:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
-        row["total"] = sum(v for n, v in row.items() if ":" in n)
+        for tag, pipe in bwds.items():  # the default backward, then experimental variants (``tag`` prefixed)
+            for la, fn in bench_lib.stage_callables(pipe, ins):
+                row[f"{tag}bwd:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
+        row["total"] = sum(v for n, v in row.items() if n.startswith(("fwd:", "bwd:")))
         print("TLAUNCH " + json.dumps(row), flush=True)
         del res, ins
         torch.cuda.empty_cache()

@@ -285,7 +285,7 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen):
     return drop_params(main, keep)
 
 
-def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen):
+def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, reg_diag=False):
     """Launch ``gdn2_chunk_bwd_intra`` (one block of 256 threads per chunk slot and value head; xla twin:
     ``chunk_intra.intra_bwd`` and ``cumsum.chunk_local_cumsum_bwd``). From ``dAqk`` and ``dT`` of
     ``gdn2_chunk_bwd_wy``, per channel slice of DC = 32 (the products are independent per channel)::
@@ -311,6 +311,7 @@ def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen):
     NDC = K // DC
     NSEG = TH // DC
     SEG = C // NSEG
+    RPT = C * DC // TH  # rows per thread of the register-sum diagonal path (8: within one 16-row block)
     scale = float(scale)
     sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=K, dtype=dtype, g_dtype=g_dtype)
 
@@ -356,6 +357,10 @@ def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen):
             Ro = T.alloc_fragment((2 * BC, DC), acc)
             Co = T.alloc_fragment((C, DC), acc)
             csum = T.alloc_var(acc)
+            if reg_diag:
+                gr, aq, ap, cs = (T.alloc_local((RPT,), acc) for _ in range(4))
+                r0 = (tx // DC) * RPT       # the thread's first row (its RPT rows lie in one 16-row block)
+                nb = r0 // BC * BC          # that block's first row
             loc = T.alloc_local((4,), "int32")
             t0a = T.alloc_local((1,), "int64")
             locate_chunk(bx, cu_seqlens, Tn, NT, NP1, loc, t0a, varlen)
@@ -394,20 +399,46 @@ def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen):
                     for r in T.serial(SEG):
                         Gc[(tx // DC) * SEG + r, tx % DC] = Gc[(tx // DC) * SEG + r, tx % DC] + csum
                     # the 16 x 16 diagonal blocks, exact: rows (dq, P) and columns (CS)
-                    for r, d in T.Parallel(C, DC):
-                        dqs[r, d] = 0.0
-                        Ps[r, d] = 0.0
-                        CSs[r, d] = 0.0
+                    if reg_diag:
+                        # thread = (RPT rows inside one block, channel d), sums in registers; one exponent per pair:
+                        # x = G_r - G_s, 2^min(x, 0) (rows, s <= r) and 2^min(-x, 0) (columns, s >= r) from
+                        # 2^-|x| (the entries above / below the diagonal of dAqk and dT are zero)
+                        for i in T.unroll(RPT):
+                            gr[i] = Gc[r0 + i, tx % DC]
+                            aq[i] = 0.0
+                            ap[i] = 0.0
+                            cs[i] = 0.0
                         for j in T.serial(BC):
-                            dqs[r, d] = dqs[r, d] + dAs[r, (r // BC) * BC + j] * kc[(r // BC) * BC + j, d] * T.exp2(
-                                T.min(Gc[r, d] - Gc[(r // BC) * BC + j, d], 0.0))
-                            Ps[r, d] = Ps[r, d] + dTs[r, (r // BC) * BC + j] * kc[(r // BC) * BC + j, d] * T.exp2(
-                                T.min(Gc[r, d] - Gc[(r // BC) * BC + j, d], 0.0))
-                            CSs[r, d] = CSs[r, d] + (
-                                scale * dAs[(r // BC) * BC + j, r] * qc[(r // BC) * BC + j, d]
-                                + dTs[(r // BC) * BC + j, r] * bc[(r // BC) * BC + j, d] * kc[(r // BC) * BC + j, d]
-                            ) * T.exp2(T.min(Gc[(r // BC) * BC + j, d] - Gc[r, d], 0.0))
-                        dqs[r, d] = dqs[r, d] * scale
+                            gj = Gc[nb + j, tx % DC]
+                            kj = kc[nb + j, tx % DC]
+                            qj = scale * qc[nb + j, tx % DC]
+                            bkj = bc[nb + j, tx % DC] * kj
+                            for i in T.unroll(RPT):
+                                ex = T.exp2(-T.abs(gr[i] - gj))
+                                er = T.if_then_else(gr[i] <= gj, ex, 1.0) * kj
+                                aq[i] = aq[i] + dAs[r0 + i, nb + j] * er
+                                ap[i] = ap[i] + dTs[r0 + i, nb + j] * er
+                                cs[i] = cs[i] + (dAs[nb + j, r0 + i] * qj + dTs[nb + j, r0 + i] * bkj) * T.if_then_else(
+                                    gj <= gr[i], ex, 1.0)
+                        for i in T.unroll(RPT):
+                            dqs[r0 + i, tx % DC] = aq[i] * scale
+                            Ps[r0 + i, tx % DC] = ap[i]
+                            CSs[r0 + i, tx % DC] = cs[i]
+                    else:
+                        for r, d in T.Parallel(C, DC):
+                            dqs[r, d] = 0.0
+                            Ps[r, d] = 0.0
+                            CSs[r, d] = 0.0
+                            for j in T.serial(BC):
+                                dqs[r, d] = dqs[r, d] + dAs[r, (r // BC) * BC + j] * kc[(r // BC) * BC + j, d] * T.exp2(
+                                    T.min(Gc[r, d] - Gc[(r // BC) * BC + j, d], 0.0))
+                                Ps[r, d] = Ps[r, d] + dTs[r, (r // BC) * BC + j] * kc[(r // BC) * BC + j, d] * T.exp2(
+                                    T.min(Gc[r, d] - Gc[(r // BC) * BC + j, d], 0.0))
+                                CSs[r, d] = CSs[r, d] + (
+                                    scale * dAs[(r // BC) * BC + j, r] * qc[(r // BC) * BC + j, d]
+                                    + dTs[(r // BC) * BC + j, r] * bc[(r // BC) * BC + j, d] * kc[(r // BC) * BC + j, d]
+                                ) * T.exp2(T.min(Gc[(r // BC) * BC + j, d] - Gc[r, d], 0.0))
+                            dqs[r, d] = dqs[r, d] * scale
                     off_diag(1, M1, MT1, Kf, Xf, kc, qc, bc, Gc, Ro, Co, dqs, Ps, CSs)
                     off_diag(2, M2, MT2, Kf, Xf, kc, qc, bc, Gc, Ro, Co, dqs, Ps, CSs)
                     off_diag(3, M3, MT3, Kf, Xf, kc, qc, bc, Gc, Ro, Co, dqs, Ps, CSs)
@@ -478,7 +509,7 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
 def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        aqk_split: bool = True, split_ds: bool = False, block_v: int | None = None, stages: int = 2,
-                       local_bwd: bool = True, **_forward_options) -> Pipeline:
+                       local_bwd: bool = True, reg_diag: bool = False, **_forward_options) -> Pipeline:
     """The backward kernels of ``chunk_gdn2`` for the forward configuration ``registry.config(...)`` (the same
     keyword arguments as ``chunk_fwd_pipeline``; ``block_v`` and ``stages`` apply to both state passes, the
     forward's other tuning options are ignored; ``use_qk_l2norm`` does not change the kernels: the caller passes
@@ -491,6 +522,8 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     Outputs, fp32: ``dh0 [N, HV, K, V]``; ``dq, dk, dg, db [B, T, HV, K]`` (dq, dk per *value* head: the caller
     sums GVA groups) and ``dv, dw [B, T, HV, V]``. ``local_bwd=False``: the state pass only (outputs ``dh``,
     ``dv`` = dR and ``dh0``), the rest left to the caller (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
+    ``reg_diag`` (experimental): the intra launch sums its 16 x 16 diagonal blocks in registers, one exponent per
+    pair, instead of through shared memory.
     """
     kw = dict(HV=HV, K=K, V=V, dtype=dtype, use_dht=output_final_state, varlen=varlen, aqk_split=aqk_split,
               split_ds=split_ds, block_v=block_v, stages=stages)
@@ -500,6 +533,8 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     cu = ("cu_seqlens",) if varlen else ()
     kl = dict(H=H, HV=HV, K=K, dtype=dtype, g_dtype=g_dtype, scale=float(scale), varlen=bool(varlen))
     kw_wy = dict(kl, V=V, BV=32)
+    if reg_diag:  # (in the intra launch's key only when on)
+        kl["reg_diag"] = True
     wy = Launch(name="gdn2_chunk_bwd_wy", key=("gdn2_chunk_bwd_wy", _VERSION) + tuple(sorted(kw_wy.items())),
                 build=lambda: _wy_bwd_prim(**kw_wy),
                 args=("q", "k", "v", "g", "b", "w", "Akk", "h", "v_new", "dh", "dv_new", "do") + cu

@@ -605,14 +605,16 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("varlen,gdist", [(False, "spec"), (True, "swept")])
-def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist):
+@pytest.mark.parametrize("varlen,gdist,opts", [(False, "spec", {}), (True, "swept", {}),
+                                               (True, "swept", {"reg_diag": True})])
+def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist, opts):
     """The chunk-parallel backward launches (``gdn2_chunk_bwd_wy`` + ``gdn2_chunk_bwd_intra``, after the reverse
     state pass, ``kernels/chunk_bwd.py``), fed the training forward's own scratch and states, against their xla twin
     ``xla.chunk.chunk_backward_from_states`` (fp32 jnp on the CPU) on the same h, v_new, dh and dR: the six
     gradients (dq, dk summed over the GVA groups here) by RMS ratio; NaN-poisoned outputs (every element written);
     bit-identical reruns. Dense T = 200 (a partial last chunk; gates of the spec distribution) and packed
-    sequences of 0, 70, 130 tokens (gates swept down to -60, mixed within a chunk)."""
+    sequences of 0, 70, 130 tokens (gates swept down to -60, mixed within a chunk), also with the experimental
+    ``reg_diag`` intra launch."""
     import torch
 
     from gdn2_jax.xla import chunk as xc
@@ -632,7 +634,7 @@ def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist):
     fwd = torch_api.run_pipeline(op.pipeline(**cfg, save_states=True), t, return_scratch=True)
     rng = np.random.default_rng(33)
     do = _bf16(rng.standard_normal((B, T, HV, V_)))
-    pipe = op.backward_pipeline(**cfg)
+    pipe = op.backward_pipeline(**cfg, **opts)
     assert [la.name for la in pipe.launches] == ["gdn2_chunk_dstate", "gdn2_chunk_bwd_wy", "gdn2_chunk_bwd_intra"]
     ins = {n: (fwd[n] if n in fwd else t[n]) for n in pipe.inputs if n not in ("do", "dht")}
     ins.update(do=_torch(do), dht=_torch(rng.standard_normal((N, HV, K_, V_)).astype(np.float32)))
