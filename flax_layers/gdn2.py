@@ -259,8 +259,8 @@ class GatedDeltaNet2(nnx.Module):
         else ``"xla"``), ``"xla"`` or ``"tilelang"``.
       train_backend: backend of the op when training (``deterministic=False``). Default ``"xla"``: forward and
         backward in jnp. ``"auto"``/``"tilelang"`` run the TileLang kernels where they exist: for
-        ``train_mode="chunk"`` the forward saves its states and the reverse state pass is a kernel, the rest of
-        the backward is jnp (0.37-0.72x FLA's forward + backward on an H200, ``benchmarks/results/latest.json``);
+        ``train_mode="chunk"`` the forward saves its states and the whole backward runs as kernels (0.65-1.15x
+        FLA's forward + backward on an H200, less extra memory than FLA, ``benchmarks/results/latest.json``);
         ``"fused_recurrent"``'s backward is the xla VJP, recomputing the forward.
       deterministic: inference mode. Default False (training), as for ``nnx.Dropout``; ``model.eval()`` sets it
         to True and ``model.train()`` back to False; ``__call__`` may override it per call.
