@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 
 VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v": 64},
             "exact_self": {"exact_self": True}, "tf32_round": {"tf32_round": True}, "v5": {"aqk_split": False},
@@ -81,7 +82,7 @@ def _switches(kernel_backward=None, factored=None, levels=None, options=None):
 GRAD_VARIANTS = {  # name -> _switches of the backward
     "xla": dict(kernel_backward=False), "kernel": dict(kernel_backward=True, options={}),
     "kernel_jnp": dict(kernel_backward=True, options={"local_bwd": False}),
-    "kernel_rd": dict(kernel_backward=True, options={"reg_diag": True}),
+    "kernel_v1": dict(kernel_backward=True, options={"intra_v2": 0}),
     "split_ds": dict(kernel_backward=True, options={"split_ds": True})}
 
 
@@ -244,8 +245,9 @@ def time_train_launches(shapes, once=0):
                               varlen=False, use_qk_l2norm=False)
         row = {"B": B, "T": T, "H": H}
         fwd = op.pipeline(**cfg, save_states=True)
-        bwds = {"": op.backward_pipeline(**cfg), "rd:": op.backward_pipeline(**cfg, reg_diag=True)}
-        bwd = bwds[""]
+        bwds = {"": op.backward_pipeline(**cfg), "v1:": op.backward_pipeline(**cfg, intra_v2=0),
+                **{f"v2{t}:": op.backward_pipeline(**cfg, intra_v2=n) for t, n in zip("bcde", (2, 3, 4, 5))}}
+        bwd = bwds[os.environ.get("BWD_VARIANT", "")] if once else bwds[""]  # (ncu: BWD_VARIANT=v2: etc.)
         if once:
             for _ in range(once):
                 res = torch_api.run_pipeline(fwd, x, return_scratch=True)

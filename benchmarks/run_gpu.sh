@@ -10,12 +10,13 @@
 #   bench   python -m benchmarks.bench (the benchmark of record; json/md/png and latest.json into $OUT)
 #   train   examples/train_lm.py --backend tilelang (training + generation at batch 1 and 64)
 #   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32
-#   ncubwd  Nsight Compute counters of the three backward launches at B4 T4096 H32 ($OUT/ncu_bwd.txt)
+#   ncubwd  Nsight Compute counters of the three backward launches at B4 T4096 H32 ($OUT/ncu_bwd.txt; BWD_VARIANT=v2: etc.)
 #   ptime   benchmarks/profile_chunk.py --time: each chunk launch of each kernel variant on the grid, FLA alongside
 #   ttime   benchmarks/profile_chunk.py --train: the training step, xla VJP (dense / factored) vs backward kernels
 #   tlaunch benchmarks/profile_chunk.py --train-launches: each training-forward and backward launch (TRAIN_SHAPES)
 #   gacc    benchmarks/profile_chunk.py --grad-accuracy: the seven gradients vs fp64 per backward variant, FLA alongside
 #   ncusrc  per-SASS-instruction executed counts of the intra kernel at B4 T4096 H32 ($OUT/intra_sass.csv)
+#   ncusrcb the same for one backward launch (NCU_BWD_LAUNCH: 7 dstate, 8 wy, 9 intra (default); $OUT/bwd_sass.csv)
 #   smoke   a quick benchmark run (two shapes per section; SMOKE_SECTIONS, default prefill,decode) into /tmp/smoke
 # Everything logs into $OUT/log.txt; the last lines of each step are echoed (the call returns the tail).
 set -o pipefail
@@ -127,6 +128,15 @@ if has ncusrc; then
   ncu -i /tmp/intra_src.ncu-rep --page source --print-source sass --csv > "$OUT/intra_sass.csv" 2>&1
   ncu -i /tmp/intra_src.ncu-rep --page details > "$OUT/intra_details.txt" 2>&1
   wc -l "$OUT/intra_sass.csv" | tee -a "$LOG"; grep -E "Executed Instructions|Stall|Branch" "$OUT/intra_details.txt" | head -20 | tee -a "$LOG"
+fi
+if has ncusrcb; then  # the same for the backward launch NCU_BWD_LAUNCH (7 dstate, 8 wy, 9 intra; default 9)
+  step ncusrcb
+  timeout ${T_NCU:-150} ncu --clock-control none --kernel-name main_kernel --launch-skip ${NCU_BWD_LAUNCH:-9} \
+      --launch-count 1 --section SourceCounters --section InstructionStats --section WarpStateStats -f -o /tmp/bwd_src \
+      python -m benchmarks.profile_chunk --bwd-once --B 4 --T 4096 --H 32 2>&1 | quiet | tail -3 | tee -a "$LOG"
+  ncu -i /tmp/bwd_src.ncu-rep --page source --print-source sass --csv > "$OUT/bwd_sass.csv" 2>&1
+  ncu -i /tmp/bwd_src.ncu-rep --page details > "$OUT/bwd_details.txt" 2>&1
+  wc -l "$OUT/bwd_sass.csv" | tee -a "$LOG"; grep -E "Executed Instructions|Stall|Branch" "$OUT/bwd_details.txt" | head -20 | tee -a "$LOG"
 fi
 if [[ -n "${PARITY_PID:-}" ]]; then  # (it ran alongside every step above: their timings are provisional)
   wait $PARITY_PID; step parity-in-parallel; quiet < "$OUT/parity.part" | tee -a "$LOG" | tail -12

@@ -32,6 +32,11 @@ def cfg(H, HV, K, V=None, dtype="bfloat16", g_dtype="float32", scale=None, h0=Tr
                            varlen=varlen, use_qk_l2norm=l2)
 
 
+# Options of the backward pipeline alone (``kernels.chunk_bwd.chunk_bwd_pipeline``): a configuration carrying them
+# builds that backward's launches only
+BACKWARD_OPTIONS = frozenset({"reg_diag", "intra_v2", "split_ds"})
+
+
 def preset(name: str) -> list[dict]:
     """Configurations of a preset (``tests`` mirrors the GPU tests, ``bench`` benchmarks/bench.py)."""
     serving = [cfg(h, h, 128, dtype=dt, l2=l2) for h in (16, 32) for dt in ("bfloat16", "float16")
@@ -57,6 +62,11 @@ def preset(name: str) -> list[dict]:
                  dict(tf32_round=True, exact_self=True, aqk_split=True))
     profile += [dict(cfg(h, h, 128), **opt) for h in (4, 16, 32) for opt in ({},) + precision]
     profile += [dict(cfg(4, 4, 128), exact_diag=True)]
+    # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
+    bwd_variants = (dict(intra_v2=0), dict(intra_v2=0, reg_diag=True), dict(intra_v2=2), dict(intra_v2=3),
+                    dict(intra_v2=4), dict(intra_v2=5))
+    bench += [dict(cfg(32, 32, 128), **o) for o in bwd_variants]
+    tests += [dict(cfg(2, 4, 128, varlen=v), **o) for v in (False, True) for o in bwd_variants]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
         dict(cfg(2, 4, 128), aqk_split=False), dict(cfg(2, 4, 128), exact_diag=True)]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,
@@ -103,10 +113,13 @@ def build(configs, ops, arch, jobs=1, log=print):
     for name, kw in itertools.product(ops, configs):
         op = registry.get(name)
         accepted = inspect.signature(registry.resolve(op.factory)).parameters
-        if any(k not in accepted for k in kw):  # an option of another op's factory (e.g. block_v)
+        extra = set(kw) - set(cfg(1, 1, 64))
+        if op.backward and extra and extra <= BACKWARD_OPTIONS:  # a backward variant: its launches only
+            parts = ("bwd",)
+        elif any(k not in accepted for k in kw):  # an option of another op's factory (e.g. block_v)
             continue
-        # training kernels (the forward saving its states, the backward) for the plain configurations
-        parts = ("fwd",) + (("train", "bwd") if op.backward and set(kw) <= set(cfg(1, 1, 64)) else ())
+        else:  # training kernels (the forward saving its states, the backward) for the plain configurations
+            parts = ("fwd",) + (("train", "bwd") if op.backward and not extra else ())
         for part in parts:
             pipe = _pipe(name, kw, part)
             for i, la in enumerate(pipe.launches):

@@ -472,6 +472,203 @@ def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, reg_diag=False):
     return drop_params(main, keep)
 
 
+def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, min_blocks=3, steps=1, staged=False):
+    """Launch ``gdn2_chunk_bwd_intra``, version 2 (option ``intra_v2``): the same sums as :func:`_intra_bwd_prim`
+    with one block of 128 threads per chunk slot, value head and channel slice of DC = 32 (grid ``NT * B * K/32``
+    by HV), small shared memory (the chunk's dAqk and dT, and the slice's G, k, scale q and b k: 64 KB) and every
+    sum in fp32 registers. Thread (warp w, lane d) owns channel d of the rows n = 16 w .. n + 15 and of the same
+    columns:
+
+    - rows, columns s < n (anchored at row n): ``dq_r, P_r += 2^(G_r - G_n) sum_s [dAqk; dT]_rs (k_s 2^(G_n - G_s))``;
+    - columns, rows r > m = n + 15 (anchored at row m): ``CS_s += 2^(G_m - G_s) sum_r (dAqk_rs scale q_r
+      + dT_rs b_r k_r) 2^(G_r - G_m)``;
+    - the 16 x 16 diagonal block: exact pairs, one exponent per pair shared by rows and columns.
+
+    Every exponent is <= 0 (``min(., 0)``). Then the WY partials are added as in :func:`_intra_bwd_prim` and dg is
+    the reverse cumsum of dG within the chunk (thread-serial over its 16 rows, then the later warps' totals).
+    """
+    import tilelang.language as T
+
+    C, BC, DC = CHUNK, 16, 32
+    NW = C // BC
+    TH = NW * DC
+    NDC = K // DC
+    SR = 4 * steps  # columns per step of the row part (rows per step of the column part: steps)
+    acc = "float32"
+    grp = HV // H
+    scale = float(scale)
+    sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=K, dtype=dtype, g_dtype=g_dtype)
+
+    @T.prim_func
+    def main(dAqk: sig["dAqk"], dT: sig["dT"], dgc: sig["dgc"], q: sig["q"], k: sig["k"], g: sig["g"],
+             b: sig["b"], cu_seqlens: sig["cu_seqlens"], dq: sig["dq"], dk: sig["dk"], db: sig["db"],
+             dg: sig["dg"]):
+        with T.Kernel(NT * B * NDC, HV, threads=TH) as (bx, hv):
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
+            tx = T.get_thread_binding()
+            hq = hv // grp
+            c0 = (bx % NDC) * DC
+            col = c0 + tx % DC                 # the thread's channel
+            ln = tx % DC
+            w = tx // DC
+            n0 = w * BC                        # the thread's first row
+            dAs, dTs = (T.alloc_shared((C, C), acc) for _ in range(2))
+            Gs, ks, qs, bks = (T.alloc_shared((C, DC), acc) for _ in range(4))
+            tot, tot2 = (T.alloc_shared((NW, DC), acc) for _ in range(2))
+            if staged:  # the slice's dg partials in, and the four results out, through shared memory
+                dgs = T.alloc_shared((C, DC), acc)
+                Oq, Op, Oc, Og = (T.alloc_shared((C, DC), acc) for _ in range(4))
+            gr, kr, aq, ap, cs = (T.alloc_local((BC,), acc) for _ in range(5))
+            kt = T.alloc_local((max(4 * steps, 3 * steps),), acc)
+            a4, t4 = (T.alloc_local((SR,), acc) for _ in range(2))
+            a16, t16 = (T.alloc_local((steps * BC,), acc) for _ in range(2))
+            csum = T.alloc_var(acc)
+            loc = T.alloc_local((4,), "int32")
+            t0a = T.alloc_local((1,), "int64")
+            locate_chunk(bx // NDC, cu_seqlens, Tn, NT, NP1, loc, t0a, varlen)
+            bb, slot, valid, t0 = loc[1], loc[2], loc[3], t0a[0]
+
+            if valid > 0:
+                for r, c in T.Parallel(C, C):
+                    dAs[r, c] = T.if_then_else(r < valid, dAqk[bb, t0 + r, hv, c], 0.0)
+                    dTs[r, c] = T.if_then_else(r < valid, dT[bb, t0 + r, hv, c], 0.0)
+                # the thread's rows: k, scale q, b and the within-chunk cumulative decay (base 2), rows past the
+                # chunk's valid ones as zero
+                if staged:  # coalesced, vectorised loads of the slice
+                    for r, d in T.Parallel(C, DC):
+                        Gs[r, d] = T.if_then_else(r < valid, T.cast(g[bb, t0 + r, hv, c0 + d], acc), 0.0) * LOG2E
+                        ks[r, d] = T.if_then_else(r < valid, T.cast(k[bb, t0 + r, hq, c0 + d], acc), 0.0)
+                        qs[r, d] = T.if_then_else(r < valid, T.cast(q[bb, t0 + r, hq, c0 + d], acc), 0.0) * scale
+                        bks[r, d] = T.if_then_else(r < valid, T.cast(b[bb, t0 + r, hv, c0 + d], acc)
+                                                   * T.cast(k[bb, t0 + r, hq, c0 + d], acc), 0.0)
+                        dgs[r, d] = T.if_then_else(r < valid, dg[bb, t0 + r, hv, c0 + d], 0.0)
+                csum = 0.0
+                for i in T.unroll(BC if staged else 0):
+                    kr[i] = ks[n0 + i, ln]
+                    csum = csum + Gs[n0 + i, ln]
+                    gr[i] = csum
+                for i in T.unroll(0 if staged else BC):
+                    kr[i] = T.if_then_else(n0 + i < valid, T.cast(k[bb, t0 + n0 + i, hq, col], acc), 0.0)
+                    qs[n0 + i, ln] = T.if_then_else(n0 + i < valid, T.cast(q[bb, t0 + n0 + i, hq, col], acc),
+                                                    0.0) * scale
+                    bks[n0 + i, ln] = T.if_then_else(n0 + i < valid, T.cast(b[bb, t0 + n0 + i, hv, col], acc),
+                                                     0.0) * kr[i]
+                    csum = csum + T.if_then_else(n0 + i < valid, T.cast(g[bb, t0 + n0 + i, hv, col], acc),
+                                                 0.0) * LOG2E
+                    gr[i] = csum
+                tot[w, ln] = csum
+                T.sync_threads()
+                csum = 0.0
+                for w2 in T.serial(NW - 1):
+                    if w2 < w:
+                        csum = csum + tot[w2, ln]
+                for i in T.unroll(BC):
+                    gr[i] = gr[i] + csum
+                    Gs[n0 + i, ln] = gr[i]
+                    ks[n0 + i, ln] = kr[i]
+                    aq[i] = 0.0
+                    ap[i] = 0.0
+                    cs[i] = 0.0
+                T.sync_threads()
+                # rows against the columns s < n0, anchored at row n0 (four columns per step)
+                for s4 in T.serial(w * (BC // SR)):
+                    for u in T.unroll(SR):
+                        kt[u] = ks[s4 * SR + u, ln] * T.exp2(T.min(gr[0] - Gs[s4 * SR + u, ln], 0.0))
+                    for i in T.unroll(BC):
+                        for u in T.vectorized(SR):
+                            a4[u] = dAs[n0 + i, s4 * SR + u]
+                        for u in T.vectorized(SR):
+                            t4[u] = dTs[n0 + i, s4 * SR + u]
+                        for u in T.unroll(SR):
+                            aq[i] = aq[i] + a4[u] * kt[u]
+                            ap[i] = ap[i] + t4[u] * kt[u]
+                for i in T.unroll(BC):
+                    aq[i] = aq[i] * T.exp2(T.min(gr[i] - gr[0], 0.0))
+                    ap[i] = ap[i] * T.exp2(T.min(gr[i] - gr[0], 0.0))
+                # columns against the rows r > n0 + 15, anchored at row n0 + 15
+                for r_ in T.serial((NW - 1 - w) * (BC // steps)):
+                    for h in T.unroll(steps):
+                        for j in T.vectorized(BC):
+                            a16[h * BC + j] = dAs[n0 + BC + r_ * steps + h, n0 + j]
+                        for j in T.vectorized(BC):
+                            t16[h * BC + j] = dTs[n0 + BC + r_ * steps + h, n0 + j]
+                        kt[3 * h] = T.exp2(T.min(Gs[n0 + BC + r_ * steps + h, ln] - gr[BC - 1], 0.0))
+                        kt[3 * h + 1] = qs[n0 + BC + r_ * steps + h, ln] * kt[3 * h]
+                        kt[3 * h + 2] = bks[n0 + BC + r_ * steps + h, ln] * kt[3 * h]
+                    for j in T.unroll(BC):
+                        for h in T.unroll(steps):
+                            cs[j] = cs[j] + a16[h * BC + j] * kt[3 * h + 1] + t16[h * BC + j] * kt[3 * h + 2]
+                for j in T.unroll(BC):
+                    cs[j] = cs[j] * T.exp2(T.min(gr[BC - 1] - gr[j], 0.0))
+                # the diagonal block, exact (dAqk and dT vanish above the diagonal: pairs j <= i only)
+                for i in T.unroll(BC):
+                    for j in T.vectorized(BC):
+                        a16[j] = dAs[n0 + i, n0 + j]
+                    for j in T.vectorized(BC):
+                        t16[j] = dTs[n0 + i, n0 + j]
+                    for u in T.unroll(1):
+                        kt[1] = qs[n0 + i, ln]
+                        kt[2] = bks[n0 + i, ln]
+                    for j in T.unroll(BC):
+                        if j <= i:
+                            kt[0] = T.exp2(T.min(gr[i] - gr[j], 0.0))
+                            aq[i] = aq[i] + a16[j] * kr[j] * kt[0]
+                            ap[i] = ap[i] + t16[j] * kr[j] * kt[0]
+                            cs[j] = cs[j] + (a16[j] * kt[1] + t16[j] * kt[2]) * kt[0]
+                # combine with the WY partials; dG into gr
+                if staged:
+                    for i in T.unroll(BC):
+                        gr[i] = T.if_then_else(
+                            n0 + i < valid, dgs[n0 + i, ln] + qs[n0 + i, ln] * aq[i] + bks[n0 + i, ln] * ap[i]
+                            - kr[i] * cs[i] + T.if_then_else(n0 + i == valid - 1, dgc[bb, slot, hv, col], 0.0), 0.0)
+                else:
+                    for i in T.unroll(BC):
+                        if n0 + i < valid:
+                            dq[bb, t0 + n0 + i, hv, col] = dq[bb, t0 + n0 + i, hv, col] + scale * aq[i]
+                            dk[bb, t0 + n0 + i, hv, col] = (dk[bb, t0 + n0 + i, hv, col]
+                                                            + T.cast(b[bb, t0 + n0 + i, hv, col], acc) * ap[i]
+                                                            + cs[i])
+                            db[bb, t0 + n0 + i, hv, col] = db[bb, t0 + n0 + i, hv, col] + kr[i] * ap[i]
+                            gr[i] = (dg[bb, t0 + n0 + i, hv, col] + qs[n0 + i, ln] * aq[i]
+                                     + bks[n0 + i, ln] * ap[i] - kr[i] * cs[i]
+                                     + T.if_then_else(n0 + i == valid - 1, dgc[bb, slot, hv, col], 0.0))
+                        else:
+                            gr[i] = 0.0
+                # dg = reverse cumsum of dG: the thread's rows, then the later warps' totals
+                csum = 0.0
+                for i in T.unroll(BC):
+                    csum = csum + gr[BC - 1 - i]
+                    gr[BC - 1 - i] = csum
+                tot2[w, ln] = csum
+                T.sync_threads()
+                csum = 0.0
+                for w2 in T.serial(NW):
+                    if w2 > w:
+                        csum = csum + tot2[w2, ln]
+                if staged:
+                    for i in T.unroll(BC):
+                        Oq[n0 + i, ln] = scale * aq[i]
+                        Op[n0 + i, ln] = ap[i]
+                        Oc[n0 + i, ln] = cs[i]
+                        Og[n0 + i, ln] = gr[i] + csum
+                    for r, d in T.Parallel(C, DC):
+                        if r < valid:
+                            dq[bb, t0 + r, hv, c0 + d] = dq[bb, t0 + r, hv, c0 + d] + Oq[r, d]
+                            dk[bb, t0 + r, hv, c0 + d] = (dk[bb, t0 + r, hv, c0 + d]
+                                                          + T.cast(b[bb, t0 + r, hv, c0 + d], acc) * Op[r, d]
+                                                          + Oc[r, d])
+                            db[bb, t0 + r, hv, c0 + d] = db[bb, t0 + r, hv, c0 + d] + ks[r, d] * Op[r, d]
+                            dg[bb, t0 + r, hv, c0 + d] = Og[r, d]
+                else:
+                    for i in T.unroll(BC):
+                        if n0 + i < valid:
+                            dg[bb, t0 + n0 + i, hv, col] = gr[i] + csum
+
+    keep = {"q", "k", "g", "b", "dAqk", "dT", "dgc", "dq", "dk", "db", "dg"} | ({"cu_seqlens"} if varlen else set())
+    return drop_params(main, keep)
+
+
 def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool, varlen: bool,
                           aqk_split: bool = True, block_v: int | None = None, stages: int = 2,
                           split_ds: bool = False, dv_name: str = "dv") -> Pipeline:
@@ -509,7 +706,8 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
 def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        aqk_split: bool = True, split_ds: bool = False, block_v: int | None = None, stages: int = 2,
-                       local_bwd: bool = True, reg_diag: bool = False, **_forward_options) -> Pipeline:
+                       local_bwd: bool = True, reg_diag: bool = False, intra_v2: int = 1,
+                       **_forward_options) -> Pipeline:
     """The backward kernels of ``chunk_gdn2`` for the forward configuration ``registry.config(...)`` (the same
     keyword arguments as ``chunk_fwd_pipeline``; ``block_v`` and ``stages`` apply to both state passes, the
     forward's other tuning options are ignored; ``use_qk_l2norm`` does not change the kernels: the caller passes
@@ -523,7 +721,11 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     sums GVA groups) and ``dv, dw [B, T, HV, V]``. ``local_bwd=False``: the state pass only (outputs ``dh``,
     ``dv`` = dR and ``dh0``), the rest left to the caller (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
     ``reg_diag`` (experimental): the intra launch sums its 16 x 16 diagonal blocks in registers, one exponent per
-    pair, instead of through shared memory.
+    pair, instead of through shared memory (version 1 only). ``intra_v2`` (default 1): the intra launch's version
+    2 (:func:`_intra_bwd_v2_prim`: a block per chunk, value head and 32-channel slice, register sums; same
+    inputs and outputs): 1 = three blocks per SM, one step per loop iteration; 2 = two blocks per SM, two steps;
+    3 = three blocks per SM, two steps; 4, 5 = as 1, 3 with the slice's loads and stores staged through shared
+    memory (coalesced, vectorised); 0 / False = version 1 (:func:`_intra_bwd_prim`, session 7).
     """
     kw = dict(HV=HV, K=K, V=V, dtype=dtype, use_dht=output_final_state, varlen=varlen, aqk_split=aqk_split,
               split_ds=split_ds, block_v=block_v, stages=stages)
@@ -533,14 +735,20 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     cu = ("cu_seqlens",) if varlen else ()
     kl = dict(H=H, HV=HV, K=K, dtype=dtype, g_dtype=g_dtype, scale=float(scale), varlen=bool(varlen))
     kw_wy = dict(kl, V=V, BV=32)
-    if reg_diag:  # (in the intra launch's key only when on)
+    if reg_diag and not intra_v2:  # (in the intra launch's key only when on)
         kl["reg_diag"] = True
+    if intra_v2:  # True: 3 blocks per SM, one step; 2: 2 blocks per SM, two steps per loop iteration
+        kl["intra_v2"] = True if int(intra_v2) == 1 else int(intra_v2)
+    intra_prim = _intra_bwd_v2_prim if intra_v2 else _intra_bwd_prim
+    kl_build = {n: v for n, v in kl.items() if n != "intra_v2"}
+    kl_build.update({2: dict(min_blocks=2, steps=2), 3: dict(min_blocks=3, steps=2), 4: dict(staged=True),
+                     5: dict(staged=True, steps=2)}.get(int(intra_v2), {}))
     wy = Launch(name="gdn2_chunk_bwd_wy", key=("gdn2_chunk_bwd_wy", _VERSION) + tuple(sorted(kw_wy.items())),
                 build=lambda: _wy_bwd_prim(**kw_wy),
                 args=("q", "k", "v", "g", "b", "w", "Akk", "h", "v_new", "dh", "dv_new", "do") + cu
                 + ("dq", "dk", "db", "dg", "dAqk", "dT", "dgc", "dv", "dw"))
     intra = Launch(name="gdn2_chunk_bwd_intra", key=("gdn2_chunk_bwd_intra", _VERSION) + tuple(sorted(kl.items())),
-                   build=lambda: _intra_bwd_prim(**kl),
+                   build=lambda: intra_prim(**kl_build),
                    args=("dAqk", "dT", "dgc", "q", "k", "g", "b") + cu + ("dq", "dk", "db", "dg"))
     f32 = "float32"
     tok = lambda n, D: Buf(n, ("B", "T", HV, D), f32)  # noqa: E731

@@ -377,6 +377,10 @@ def _kernels_to_build():
         out.append((f"chunk-backward-varlen{varlen}-k{kv}", registry.get("chunk_gdn2").backward_pipeline(
             H=2, HV=4, K=kv, V=kv, dtype=dt, g_dtype="float32" if varlen else "bfloat16", scale=kv ** -0.5,
             use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)))
+    for varlen, kv, v2 in ((False, 128, 0), (True, 64, 2), (False, 128, 3)):  # the intra launch's other variants
+        out.append((f"chunk-backward-intra{v2}-varlen{varlen}-k{kv}", registry.get("chunk_gdn2").backward_pipeline(
+            H=2, HV=4, K=kv, V=kv, dtype="bfloat16", g_dtype="float32", scale=kv ** -0.5, use_initial_state=True,
+            output_final_state=True, varlen=varlen, use_qk_l2norm=False, intra_v2=v2)))
     return out
 
 
