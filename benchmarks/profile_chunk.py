@@ -82,8 +82,16 @@ def _switches(kernel_backward=None, factored=None, levels=None, options=None):
 GRAD_VARIANTS = {  # name -> _switches of the backward
     "xla": dict(kernel_backward=False), "kernel": dict(kernel_backward=True, options={}),
     "kernel_jnp": dict(kernel_backward=True, options={"local_bwd": False}),
-    "kernel_v1": dict(kernel_backward=True, options={"intra_v2": 0}),
-    "split_ds": dict(kernel_backward=True, options={"split_ds": True})}
+    "kernel_v1": dict(kernel_backward=True, options={"intra_v2": False}),
+    "split_ds": dict(kernel_backward=True, options={"split_ds": True}),
+    "no_split_ds": dict(kernel_backward=True, options={"split_ds": False}),
+    "wy_round": dict(kernel_backward=True, options={"wy_load": "sync", "wy_tf32_round": True})}
+
+# the backward variants that ``--train-launches`` times beside the default (tag -> chunk_bwd_pipeline options)
+BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "sync256": dict(wy_load="sync", wy_threads=256),
+                       "async": dict(wy_load="async", wy_threads=256), "tma": dict(wy_load="tma", wy_threads=256),
+                       "sync512": dict(wy_load="sync", wy_threads=512),
+                       "async512": dict(wy_load="async", wy_threads=512), "nosplit": dict(split_ds=False)}
 
 
 def grad_accuracy(variants, seeds=(77, 1, 2), shape=(1, 256, 2)):
@@ -245,9 +253,9 @@ def time_train_launches(shapes, once=0):
                               varlen=False, use_qk_l2norm=False)
         row = {"B": B, "T": T, "H": H}
         fwd = op.pipeline(**cfg, save_states=True)
-        bwds = {"": op.backward_pipeline(**cfg), "v1:": op.backward_pipeline(**cfg, intra_v2=0),
-                **{f"v2{t}:": op.backward_pipeline(**cfg, intra_v2=n) for t, n in zip("bcde", (2, 3, 4, 5))}}
-        bwd = bwds[os.environ.get("BWD_VARIANT", "")] if once else bwds[""]  # (ncu: BWD_VARIANT=v2: etc.)
+        bwds = {"": op.backward_pipeline(**cfg), **{f"{tag}:": op.backward_pipeline(**cfg, **o)
+                                                     for tag, o in BWD_LAUNCH_VARIANTS.items()}}
+        bwd = bwds[os.environ.get("BWD_VARIANT", "")] if once else bwds[""]  # (ncu: BWD_VARIANT=tma: etc.)
         if once:
             for _ in range(once):
                 res = torch_api.run_pipeline(fwd, x, return_scratch=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU session driver (device machine), from the repository root:  bash benchmarks/run_gpu.sh STEP[,STEP...]
-#   build   compile what the carried kernel cache (.kcache/) lacks (-j 15; BUILD_PRESET, default all); the cache
-#           comes back as kcache.tgz
+#   build   compile what the carried kernel cache (.kcache/) lacks (-j 15; BUILD_PRESET, default all; then the
+#           benchmark's kernels unless BUILD_BENCH=0); the cache comes back as kcache.tgz (KCACHE_BACK=0: not)
 #   tests   every `cuda` test (pytest -n 6); with `parity` in the same call the FLA layer-parity test runs in its
 #           own process alongside all other steps (its Triton autotune results come back as fla-autotune-new.tgz)
 #   parity  the FLA layer-parity test alone, timed (issue 9: < 120 s with the autotune cache carried in .gpu/)
@@ -10,7 +10,7 @@
 #   bench   python -m benchmarks.bench (the benchmark of record; json/md/png and latest.json into $OUT)
 #   train   examples/train_lm.py --backend tilelang (training + generation at batch 1 and 64)
 #   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32
-#   ncubwd  Nsight Compute counters of the three backward launches at B4 T4096 H32 ($OUT/ncu_bwd.txt; BWD_VARIANT=v2: etc.)
+#   ncubwd  Nsight Compute counters of the three backward launches at B4 T4096 H32 ($OUT/ncu_bwd.txt; BWD_VARIANT=tma: etc., profile_chunk.BWD_LAUNCH_VARIANTS)
 #   ptime   benchmarks/profile_chunk.py --time: each chunk launch of each kernel variant on the grid, FLA alongside
 #   ttime   benchmarks/profile_chunk.py --train: the training step, xla VJP (dense / factored) vs backward kernels
 #   tlaunch benchmarks/profile_chunk.py --train-launches: each training-forward and backward launch (TRAIN_SHAPES)
@@ -35,7 +35,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used -
 if has build; then
   step build
   { timeout ${T_BUILD:-240} python -m kernels.build --preset ${BUILD_PRESET:-all} -j 15
-    timeout ${T_BUILD:-240} python -m benchmarks.bench --precompile -j 15; } 2>&1 | quiet | grep -v WARNING \
+    [[ "${BUILD_BENCH:-1}" == 1 ]] && timeout ${T_BUILD:-240} python -m benchmarks.bench --precompile -j 15; } 2>&1 \
+      | quiet | grep -v WARNING \
       | tee -a "$LOG" | grep "kernels for"
 fi
 if has parity && has tests && [[ -n "${PARITY_PARALLEL:-}" ]]; then  # alongside: correctness only
@@ -146,6 +147,6 @@ fi
 ( cd "$OUT" && diag=$(ls -d g trace_*.json scan_hlo*.txt trace_summary.txt 2>/dev/null; true) \
     && [[ -n "$diag" ]] && tar -czf diag.tgz $diag && rm -rf $diag )
 # what comes back for the next call: compiled kernels and FLA's new autotune results
-tar -czf "$OUT/kcache.tgz" -C .kcache . 2>/dev/null
+[[ "${KCACHE_BACK:-1}" == 1 ]] && tar -czf "$OUT/kcache.tgz" -C .kcache . 2>/dev/null
 ( cd "$TRITON_CACHE_DIR" && ls */*.autotune.json >/dev/null 2>&1 && tar -czf "$OUT/fla-autotune-new.tgz" */*.autotune.json )
 ls -la "$OUT" | tail -9

@@ -259,7 +259,7 @@ class GatedDeltaNet2(nnx.Module):
         else ``"xla"``), ``"xla"`` or ``"tilelang"``.
       train_backend: backend of the op when training (``deterministic=False``). Default ``"xla"``: forward and
         backward in jnp. ``"auto"``/``"tilelang"`` run the TileLang kernels where they exist: for
-        ``train_mode="chunk"`` the forward saves its states and the whole backward runs as kernels (0.91-1.99x
+        ``train_mode="chunk"`` the forward saves its states and the whole backward runs as kernels (1.20-3.02x
         FLA's forward + backward on an H200, less extra memory than FLA, ``benchmarks/results/latest.json``);
         ``"fused_recurrent"``'s backward is the xla VJP, recomputing the forward.
       deterministic: inference mode. Default False (training), as for ``nnx.Dropout``; ``model.eval()`` sets it

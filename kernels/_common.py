@@ -5,7 +5,7 @@ Part of every kernel's cache key (``kernels/_compile.py`` hashes the ``_common*.
 
 from __future__ import annotations
 
-__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "drop_params"]
+__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "drop_params", "tf32_operand"]
 
 #: Chunk length of the chunked (WY) form. FLA fixes 64 for GDN-2 (4 sub-chunks of 16).
 CHUNK = 64
@@ -23,3 +23,17 @@ def drop_params(func, keep):
     """
     params = [p for p in func.params if func.buffer_map[p].name in keep]
     return type(func)(params, func.body, func.ret_type, {p: func.buffer_map[p] for p in params}, func.attrs)
+
+
+def tf32_operand(x, rounded: bool):
+    """The fp32 value ``x`` as a TF32 tensor-core operand (TileLang expression, inside a kernel).
+
+    ``mma.sync`` drops the low 13 mantissa bits of raw fp32 (truncation, biased towards zero). With ``rounded``
+    the value is rounded to nearest first (add half a TF32 ulp, then clear those bits); otherwise ``x`` unchanged.
+    """
+    if not rounded:
+        return x
+    import tilelang.language as T
+
+    return T.reinterpret(T.bitwise_and(T.reinterpret(x, "uint32") + T.uint32(0x1000), T.uint32(0xFFFFE000)),
+                         "float32")

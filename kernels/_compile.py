@@ -144,7 +144,8 @@ def _build_file(launch: Launch) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _cache_key(launch: Launch, build_file: str, arch: str) -> str:
-    payload = repr((launch.name, launch.key, arch, _tilelang_version(), _source_digest(launch)))
+    payload = repr((launch.name, launch.key, arch, _tilelang_version(), _source_digest(launch))
+                   + ((launch.pass_configs,) if launch.pass_configs else ()))
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -179,7 +180,8 @@ def compile_launch(launch: Launch, arch: str) -> Path:
             return path
         import tilelang
 
-        kernel = tilelang.compile(launch.build(), target=target(arch), execution_backend="tvm_ffi")
+        kernel = tilelang.compile(launch.build(), target=target(arch), execution_backend="tvm_ffi",
+                                  pass_configs=dict(launch.pass_configs) or None)
         tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{path.name}")
         try:
             kernel.export_library(str(tmp))

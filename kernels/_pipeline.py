@@ -58,13 +58,15 @@ class Launch:
     ``key`` is hashable and holds everything that changes the generated code (name, static dims, every input
     dtype, flags, scale, block sizes); the compile cache adds the arch, the TileLang version and the hash of
     the kernel's source file. ``build()`` returns the ``T.prim_func`` (called once per key). ``args`` are
-    buffer names (pipeline inputs, scratch or outputs) in the prim_func's parameter order.
+    buffer names (pipeline inputs, scratch or outputs) in the prim_func's parameter order. ``pass_configs``:
+    ``(name, value)`` pairs of TileLang pass configuration for this kernel's compile (also part of the cache key).
     """
 
     name: str
     key: tuple
     build: Callable[[], Any] = dataclasses.field(compare=False, hash=False, repr=False)
     args: tuple = ()
+    pass_configs: tuple = ()
 
     def __post_init__(self):
         hash(self.key)  # must be hashable: fail early with a clear TypeError otherwise

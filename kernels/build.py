@@ -1,6 +1,6 @@
 """Ahead-of-time compile of the GDN-2 TileLang kernels into the on-disk cache (no GPU needed).
 
-    python -m kernels.build [--arch sm_90a] [--preset serving|tests|bench|layers|sweep|profile|all] [--op NAME[,NAME]] [-j N]
+    python -m kernels.build [--arch sm_90a] [--preset serving|tests|bench|layers|sweep|profile|bwdexp|all] [--op NAME[,NAME]] [-j N]
     python -m kernels.build --H 16 --HV 16 --K 128 --V 128 --dtype bfloat16 [--g-dtype float32] \
         [--initial-state] [--final-state] [--varlen] [--l2norm] [--scale S]
 
@@ -32,9 +32,20 @@ def cfg(H, HV, K, V=None, dtype="bfloat16", g_dtype="float32", scale=None, h0=Tr
                            varlen=varlen, use_qk_l2norm=l2)
 
 
-# Options of the backward pipeline alone (``kernels.chunk_bwd.chunk_bwd_pipeline``): a configuration carrying them
-# builds that backward's launches only
-BACKWARD_OPTIONS = frozenset({"reg_diag", "intra_v2", "split_ds"})
+def _backward_options() -> frozenset:
+    """Options of the backward pipeline alone: ``chunk_bwd_pipeline``'s keyword arguments that neither
+    ``registry.config`` nor the forward's ``chunk_fwd_pipeline`` takes (a configuration carrying only such extras
+    builds that backward's launches only)."""
+    from .chunk_bwd import chunk_bwd_pipeline
+    from .chunk_fwd import chunk_fwd_pipeline
+
+    def names(f):
+        return {n for n, p in inspect.signature(f).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+    return frozenset(names(chunk_bwd_pipeline) - names(chunk_fwd_pipeline) - set(cfg(1, 1, 64)) - {"local_bwd"})
+
+
+BACKWARD_OPTIONS = _backward_options()
 
 
 def preset(name: str) -> list[dict]:
@@ -63,14 +74,20 @@ def preset(name: str) -> list[dict]:
     profile += [dict(cfg(h, h, 128), **opt) for h in (4, 16, 32) for opt in ({},) + precision]
     profile += [dict(cfg(4, 4, 128), exact_diag=True)]
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
-    bwd_variants = (dict(intra_v2=0), dict(intra_v2=0, reg_diag=True), dict(intra_v2=2), dict(intra_v2=3),
-                    dict(intra_v2=4), dict(intra_v2=5))
+    bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(wy_load="async", wy_threads=256),
+                    dict(wy_load="tma", wy_threads=256), dict(wy_load="sync", wy_threads=256),
+                    dict(wy_load="sync", wy_threads=512),
+                    dict(wy_load="sync", wy_tf32_round=True), dict(split_ds=False))
     bench += [dict(cfg(32, 32, 128), **o) for o in bwd_variants]
     tests += [dict(cfg(2, 4, 128, varlen=v), **o) for v in (False, True) for o in bwd_variants]
+    # the backward variants alone: stage tests, launch times at the bench's largest head count, gradient accuracy
+    # (profile_chunk --grad-accuracy: B1 T256 H2)
+    bwdexp = [dict(c, **o) for c in (cfg(32, 32, 128), cfg(2, 2, 128), cfg(2, 4, 128), cfg(2, 4, 128, varlen=True))
+              for o in ({},) + bwd_variants]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
         dict(cfg(2, 4, 128), aqk_split=False), dict(cfg(2, 4, 128), exact_diag=True)]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,
-             "all": serving + pools + bench + tests + layers, "sweep": _sweep(), "profile": profile}
+             "all": serving + pools + bench + tests + layers, "sweep": _sweep(), "profile": profile, "bwdexp": bwdexp}
     if name not in table:
         raise SystemExit(f"unknown preset {name!r}; choose from {sorted(table)}")
     seen, out = set(), []

@@ -23,7 +23,7 @@ still jnp (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
 
 from . import registry
-from ._common import CHUNK, LOG2E, drop_params
+from ._common import CHUNK, LOG2E, drop_params, tf32_operand
 from ._pipeline import Buf, Launch, Pipeline
 from .chunk_fwd import locate_chunk, seq_span, sizes_fn
 
@@ -153,8 +153,8 @@ def _local_signature(*, H, HV, K, V, dtype, g_dtype):
     return sig, (B, Tn, NT, NP1)
 
 
-def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen):
-    """Launch ``gdn2_chunk_bwd_wy`` (one block of 256 threads per chunk slot and value head; xla twin: the
+def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, threads=256, tf32_round=False):
+    """Launch ``gdn2_chunk_bwd_wy`` (one block of ``threads`` per chunk slot and value head; xla twin: the
     output-stage shares ``chunk_o.o_bwd_local``, ``chunk_delta_h.state_bwd_parallel``, ``wy_fast.wy_bwd`` and
     ``chunk_intra.solve_bwd``). Walks V in blocks of BV for the products over V (fp32 operands, TF32 tensor cores,
     fp32 accumulators)::
@@ -170,14 +170,27 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen):
     all fp32, rows of the chunk's sequence only. S0 = ``h``, dS = ``dh`` (end-state gradient), R = ``v_new``,
     dR = ``dv_new``; A = ``Akk`` (forward, fp32). q and k as the forward's kernels read them (normalised when
     the op normalises: the caller passes them so).
+
+    ``stages = 1``: each V-block's tiles are loaded (masked, converted) straight into shared memory, then used.
+    ``stages = 2``: ``T.Pipelined`` over the V-blocks: the next block's tiles (h, dh, v_new, dv_new as fp32, do, w,
+    v in the input dtype) are copied asynchronously while the current block's products run; a pass over shared
+    memory forms dO and Z = w v in fp32 with the rows past the chunk's valid ones as zero. The R and dR tiles are
+    used as copied: their rows past the valid ones (the next sequence's tokens in packed input, zeros past T) only
+    reach rows and columns of dY, dKG, dAq and dA that are masked or multiplied by zero rows of A^T (A is
+    lower-triangular within the chunk's valid rows).
+    ``tf32_round`` (``stages = 1`` only): every TF32 operand is rounded to nearest in shared memory
+    (``_common.tf32_operand``).
     """
     import tilelang.language as T
 
     C = CHUNK
-    TH = 256
+    TH = int(threads)
     acc = "float32"
     grp = HV // H
     scale = float(scale)
+    if tf32_round and stages > 1:
+        raise ValueError("_wy_bwd_prim: tf32_round needs stages=1")
+    rn = lambda x: tf32_operand(x, tf32_round)  # noqa: E731
     sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype)
 
     @T.prim_func
@@ -190,8 +203,16 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen):
             hq = hv // grp
             Gs = T.alloc_shared((C, K), acc)          # within-chunk cumulative decay, base 2
             AT = T.alloc_shared((C, C), acc)          # A^T
-            S0s, dSs = (T.alloc_shared((K, BV), acc) for _ in range(2))
-            Rs, dRs, dOs, Zs = (T.alloc_shared((C, BV), acc) for _ in range(4))
+            if stages > 1:  # the V-block's tiles as copied (h, dh, v_new, dv_new fp32; dO, w, v in the input dtype)
+                S0c, dSc = (T.alloc_shared((K, BV), acc) for _ in range(2))
+                Rc, dRc = (T.alloc_shared((C, BV), acc) for _ in range(2))
+                dOb, wb, vb_ = (T.alloc_shared((C, BV), dtype) for _ in range(3))
+            if stages == 1:
+                S0s, dSs = (T.alloc_shared((K, BV), acc) for _ in range(2))
+                Rs, dRs = (T.alloc_shared((C, BV), acc) for _ in range(2))
+            else:  # the products read the copies
+                S0s, dSs, Rs, dRs = S0c, dSc, Rc, dRc
+            dOs, Zs = (T.alloc_shared((C, BV), acc) for _ in range(2))
             dYs, Ebs = (T.alloc_shared((C, K), acc) for _ in range(2))
             dAs, F1s = (T.alloc_shared((C, C), acc) for _ in range(2))
             gC = T.alloc_shared((K,), acc)
@@ -208,7 +229,7 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen):
                 for r, d in T.Parallel(C, K):
                     Gs[r, d] = T.if_then_else(r < valid, T.cast(g[bb, t0 + r, hv, d], acc), 0.0) * LOG2E
                 for r, c in T.Parallel(C, C):
-                    AT[c, r] = T.if_then_else(r < valid, Akk[bb, t0 + r, hv, c], 0.0)
+                    AT[c, r] = rn(T.if_then_else(r < valid, Akk[bb, t0 + r, hv, c], 0.0))
                 if tx < K:
                     csum = 0.0
                     for r in T.serial(C):
@@ -220,35 +241,57 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen):
                 T.clear(dKG)
                 T.clear(dAq)
                 T.clear(dA)
-                for vb in T.serial(V // BV):
-                    for i, e in T.Parallel(K, BV):
-                        S0s[i, e] = h[bb, slot, hv, i, vb * BV + e]
-                        dSs[i, e] = dh[bb, slot, hv, i, vb * BV + e]
-                    for r, e in T.Parallel(C, BV):
-                        Rs[r, e] = T.if_then_else(r < valid, v_new[bb, t0 + r, hv, vb * BV + e], 0.0)
-                        dRs[r, e] = T.if_then_else(r < valid, dv_new[bb, t0 + r, hv, vb * BV + e], 0.0)
-                        dOs[r, e] = T.if_then_else(r < valid, T.cast(do[bb, t0 + r, hv, vb * BV + e], acc), 0.0)
-                        Zs[r, e] = T.if_then_else(r < valid, T.cast(w[bb, t0 + r, hv, vb * BV + e], acc)
-                                                  * T.cast(v[bb, t0 + r, hv, vb * BV + e], acc), 0.0)
+                for vb in (T.Pipelined(V // BV, num_stages=stages) if stages > 1 else T.serial(V // BV)):
+                    if stages > 1:
+                        T.copy(h[bb, slot, hv, :, vb * BV:(vb + 1) * BV], S0c)
+                        T.copy(dh[bb, slot, hv, :, vb * BV:(vb + 1) * BV], dSc)
+                        T.copy(v_new[bb, t0:t0 + C, hv, vb * BV:(vb + 1) * BV], Rc)
+                        T.copy(dv_new[bb, t0:t0 + C, hv, vb * BV:(vb + 1) * BV], dRc)
+                        T.copy(do[bb, t0:t0 + C, hv, vb * BV:(vb + 1) * BV], dOb)
+                        T.copy(w[bb, t0:t0 + C, hv, vb * BV:(vb + 1) * BV], wb)
+                        T.copy(v[bb, t0:t0 + C, hv, vb * BV:(vb + 1) * BV], vb_)
+                        for r, e in T.Parallel(C, BV):
+                            dOs[r, e] = rn(T.if_then_else(r < valid, T.cast(dOb[r, e], acc), 0.0))
+                            Zs[r, e] = rn(T.if_then_else(r < valid, T.cast(wb[r, e], acc) * T.cast(vb_[r, e], acc),
+                                                         0.0))
+                    else:
+                        for i, e in T.Parallel(K, BV):
+                            S0s[i, e] = rn(h[bb, slot, hv, i, vb * BV + e])
+                            dSs[i, e] = rn(dh[bb, slot, hv, i, vb * BV + e])
+                        for r, e in T.Parallel(C, BV):
+                            Rs[r, e] = rn(T.if_then_else(r < valid, v_new[bb, t0 + r, hv, vb * BV + e], 0.0))
+                            dRs[r, e] = rn(T.if_then_else(r < valid, dv_new[bb, t0 + r, hv, vb * BV + e], 0.0))
+                            dOs[r, e] = rn(T.if_then_else(r < valid, T.cast(do[bb, t0 + r, hv, vb * BV + e], acc),
+                                                          0.0))
+                            Zs[r, e] = rn(T.if_then_else(r < valid, T.cast(w[bb, t0 + r, hv, vb * BV + e], acc)
+                                                         * T.cast(v[bb, t0 + r, hv, vb * BV + e], acc), 0.0))
                     T.gemm(dOs, S0s, dQG, transpose_B=True)      # dO S0^T
                     T.gemm(dRs, S0s, dY, transpose_B=True)       # dR S0^T (= -dY)
                     T.gemm(Rs, dSs, dKG, transpose_B=True)       # R dS^T
                     T.gemm(dOs, Rs, dAq, transpose_B=True)       # dO R^T
                     T.gemm(dRs, Zs, dA, transpose_B=True)        # dR Z^T
                     T.gemm(AT, dRs, dZ, clear_accum=True)        # A^T dR
-                    for r, e in T.Parallel(C, BV):
-                        if r < valid:
-                            dv[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(w[bb, t0 + r, hv, vb * BV + e], acc)
-                            dw[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(v[bb, t0 + r, hv, vb * BV + e], acc)
+                    if stages > 1:
+                        for r, e in T.Parallel(C, BV):
+                            if r < valid:
+                                dv[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(wb[r, e], acc)
+                                dw[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(vb_[r, e], acc)
+                    else:
+                        for r, e in T.Parallel(C, BV):
+                            if r < valid:
+                                dv[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(w[bb, t0 + r, hv, vb * BV + e],
+                                                                                    acc)
+                                dw[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(v[bb, t0 + r, hv, vb * BV + e],
+                                                                                    acc)
                     if tx < K:  # sum_e dS * S0 of row tx (columns visited in a rotated order: no bank conflicts)
                         csum = 0.0
                         for e in T.serial(BV):
                             csum = csum + dSs[tx, (e + tx) % BV] * S0s[tx, (e + tx) % BV]
                         gC[tx] = gC[tx] + csum
                 for r, d in T.Parallel(C, K):
-                    Ebs[r, d] = T.if_then_else(r < valid, T.exp2(Gs[r, d]) * T.cast(b[bb, t0 + r, hv, d], acc)
-                                               * T.cast(k[bb, t0 + r, hq, d], acc), 0.0)
-                    dYs[r, d] = -dY[r, d]
+                    Ebs[r, d] = rn(T.if_then_else(r < valid, T.exp2(Gs[r, d]) * T.cast(b[bb, t0 + r, hv, d], acc)
+                                                  * T.cast(k[bb, t0 + r, hq, d], acc), 0.0))
+                    dYs[r, d] = rn(-dY[r, d])
                 T.gemm(AT, dYs, dEb, clear_accum=True)          # dEbar = A^T dY
                 T.gemm(dYs, Ebs, dA, transpose_B=True)          # dA += dY Ebar^T
                 for r, d in T.Parallel(C, K):
@@ -271,9 +314,11 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen):
                         csum = csum + dYs[r, tx]
                     dgc[bb, slot, hv, tx] = T.exp2(Gs[C - 1, tx]) * gC[tx] + csum
                 # dT = -tril(A^T dA A^T, -1);  dAqk = tril(dO R^T)
-                T.copy(dA, dAs)
+                for r, c in T.Parallel(C, C):
+                    dAs[r, c] = rn(dA[r, c])
                 T.gemm(AT, dAs, F, clear_accum=True)            # A^T dA
-                T.copy(F, F1s)
+                for r, c in T.Parallel(C, C):
+                    F1s[r, c] = rn(F[r, c])
                 T.gemm(F1s, AT, F, clear_accum=True)            # (A^T dA) A^T
                 for r, c in T.Parallel(C, C):
                     if r < valid:
@@ -472,12 +517,13 @@ def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, reg_diag=False):
     return drop_params(main, keep)
 
 
-def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, min_blocks=3, steps=1, staged=False):
-    """Launch ``gdn2_chunk_bwd_intra``, version 2 (option ``intra_v2``): the same sums as :func:`_intra_bwd_prim`
-    with one block of 128 threads per chunk slot, value head and channel slice of DC = 32 (grid ``NT * B * K/32``
-    by HV), small shared memory (the chunk's dAqk and dT, and the slice's G, k, scale q and b k: 64 KB) and every
-    sum in fp32 registers. Thread (warp w, lane d) owns channel d of the rows n = 16 w .. n + 15 and of the same
-    columns:
+def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen):
+    """Launch ``gdn2_chunk_bwd_intra``, version 2 (the default, option ``intra_v2``): the same sums as
+    :func:`_intra_bwd_prim` with one block of 128 threads per chunk slot, value head and channel slice of DC = 32
+    (grid ``NT * B * K/32`` by HV, three blocks per SM), every sum in fp32 registers. The chunk's dAqk and dT and
+    the slice's G, k, scale q, b k and dg partials come in through shared memory (coalesced, vectorised loads), and
+    the four results go out the same way (72.5 KB). Thread (warp w, lane d) owns channel d of the rows
+    n = 16 w .. n + 15 and of the same columns:
 
     - rows, columns s < n (anchored at row n): ``dq_r, P_r += 2^(G_r - G_n) sum_s [dAqk; dT]_rs (k_s 2^(G_n - G_s))``;
     - columns, rows r > m = n + 15 (anchored at row m): ``CS_s += 2^(G_m - G_s) sum_r (dAqk_rs scale q_r
@@ -489,11 +535,10 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, min_blocks=3,
     """
     import tilelang.language as T
 
-    C, BC, DC = CHUNK, 16, 32
+    C, BC, DC, SR = CHUNK, 16, 32, 4   # SR: columns per step of the row part
     NW = C // BC
     TH = NW * DC
     NDC = K // DC
-    SR = 4 * steps  # columns per step of the row part (rows per step of the column part: steps)
     acc = "float32"
     grp = HV // H
     scale = float(scale)
@@ -504,25 +549,21 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, min_blocks=3,
              b: sig["b"], cu_seqlens: sig["cu_seqlens"], dq: sig["dq"], dk: sig["dk"], db: sig["db"],
              dg: sig["dg"]):
         with T.Kernel(NT * B * NDC, HV, threads=TH) as (bx, hv):
-            if min_blocks > 1:
-                T.annotate_min_blocks_per_sm(min_blocks)
+            T.annotate_min_blocks_per_sm(3)
             tx = T.get_thread_binding()
             hq = hv // grp
             c0 = (bx % NDC) * DC
-            col = c0 + tx % DC                 # the thread's channel
-            ln = tx % DC
+            ln = tx % DC                       # the thread's channel (c0 + ln)
             w = tx // DC
             n0 = w * BC                        # the thread's first row
             dAs, dTs = (T.alloc_shared((C, C), acc) for _ in range(2))
-            Gs, ks, qs, bks = (T.alloc_shared((C, DC), acc) for _ in range(4))
+            Gs, ks, qs, bks, dgs = (T.alloc_shared((C, DC), acc) for _ in range(5))
+            Oq, Op, Oc, Og = (T.alloc_shared((C, DC), acc) for _ in range(4))
             tot, tot2 = (T.alloc_shared((NW, DC), acc) for _ in range(2))
-            if staged:  # the slice's dg partials in, and the four results out, through shared memory
-                dgs = T.alloc_shared((C, DC), acc)
-                Oq, Op, Oc, Og = (T.alloc_shared((C, DC), acc) for _ in range(4))
             gr, kr, aq, ap, cs = (T.alloc_local((BC,), acc) for _ in range(5))
-            kt = T.alloc_local((max(4 * steps, 3 * steps),), acc)
+            kt = T.alloc_local((3,), acc)
             a4, t4 = (T.alloc_local((SR,), acc) for _ in range(2))
-            a16, t16 = (T.alloc_local((steps * BC,), acc) for _ in range(2))
+            a16, t16 = (T.alloc_local((BC,), acc) for _ in range(2))
             csum = T.alloc_var(acc)
             loc = T.alloc_local((4,), "int32")
             t0a = T.alloc_local((1,), "int64")
@@ -533,29 +574,20 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, min_blocks=3,
                 for r, c in T.Parallel(C, C):
                     dAs[r, c] = T.if_then_else(r < valid, dAqk[bb, t0 + r, hv, c], 0.0)
                     dTs[r, c] = T.if_then_else(r < valid, dT[bb, t0 + r, hv, c], 0.0)
-                # the thread's rows: k, scale q, b and the within-chunk cumulative decay (base 2), rows past the
+                # the slice: k, scale q, b k, the WY launch's dg partials and the decay (base 2), rows past the
                 # chunk's valid ones as zero
-                if staged:  # coalesced, vectorised loads of the slice
-                    for r, d in T.Parallel(C, DC):
-                        Gs[r, d] = T.if_then_else(r < valid, T.cast(g[bb, t0 + r, hv, c0 + d], acc), 0.0) * LOG2E
-                        ks[r, d] = T.if_then_else(r < valid, T.cast(k[bb, t0 + r, hq, c0 + d], acc), 0.0)
-                        qs[r, d] = T.if_then_else(r < valid, T.cast(q[bb, t0 + r, hq, c0 + d], acc), 0.0) * scale
-                        bks[r, d] = T.if_then_else(r < valid, T.cast(b[bb, t0 + r, hv, c0 + d], acc)
-                                                   * T.cast(k[bb, t0 + r, hq, c0 + d], acc), 0.0)
-                        dgs[r, d] = T.if_then_else(r < valid, dg[bb, t0 + r, hv, c0 + d], 0.0)
+                for r, d in T.Parallel(C, DC):
+                    Gs[r, d] = T.if_then_else(r < valid, T.cast(g[bb, t0 + r, hv, c0 + d], acc), 0.0) * LOG2E
+                    ks[r, d] = T.if_then_else(r < valid, T.cast(k[bb, t0 + r, hq, c0 + d], acc), 0.0)
+                    qs[r, d] = T.if_then_else(r < valid, T.cast(q[bb, t0 + r, hq, c0 + d], acc), 0.0) * scale
+                    bks[r, d] = T.if_then_else(r < valid, T.cast(b[bb, t0 + r, hv, c0 + d], acc)
+                                               * T.cast(k[bb, t0 + r, hq, c0 + d], acc), 0.0)
+                    dgs[r, d] = T.if_then_else(r < valid, dg[bb, t0 + r, hv, c0 + d], 0.0)
+                # within-chunk cumulative decay: the thread's 16 rows, then the earlier warps' totals
                 csum = 0.0
-                for i in T.unroll(BC if staged else 0):
+                for i in T.unroll(BC):
                     kr[i] = ks[n0 + i, ln]
                     csum = csum + Gs[n0 + i, ln]
-                    gr[i] = csum
-                for i in T.unroll(0 if staged else BC):
-                    kr[i] = T.if_then_else(n0 + i < valid, T.cast(k[bb, t0 + n0 + i, hq, col], acc), 0.0)
-                    qs[n0 + i, ln] = T.if_then_else(n0 + i < valid, T.cast(q[bb, t0 + n0 + i, hq, col], acc),
-                                                    0.0) * scale
-                    bks[n0 + i, ln] = T.if_then_else(n0 + i < valid, T.cast(b[bb, t0 + n0 + i, hv, col], acc),
-                                                     0.0) * kr[i]
-                    csum = csum + T.if_then_else(n0 + i < valid, T.cast(g[bb, t0 + n0 + i, hv, col], acc),
-                                                 0.0) * LOG2E
                     gr[i] = csum
                 tot[w, ln] = csum
                 T.sync_threads()
@@ -566,39 +598,37 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, min_blocks=3,
                 for i in T.unroll(BC):
                     gr[i] = gr[i] + csum
                     Gs[n0 + i, ln] = gr[i]
-                    ks[n0 + i, ln] = kr[i]
                     aq[i] = 0.0
                     ap[i] = 0.0
                     cs[i] = 0.0
                 T.sync_threads()
-                # rows against the columns s < n0, anchored at row n0 (four columns per step)
+                # rows against the columns s < n0, anchored at row n0 (SR columns per step)
                 for s4 in T.serial(w * (BC // SR)):
                     for u in T.unroll(SR):
-                        kt[u] = ks[s4 * SR + u, ln] * T.exp2(T.min(gr[0] - Gs[s4 * SR + u, ln], 0.0))
+                        a4[u] = ks[s4 * SR + u, ln] * T.exp2(T.min(gr[0] - Gs[s4 * SR + u, ln], 0.0))
                     for i in T.unroll(BC):
                         for u in T.vectorized(SR):
-                            a4[u] = dAs[n0 + i, s4 * SR + u]
+                            t4[u] = dAs[n0 + i, s4 * SR + u]
+                        for u in T.unroll(SR):
+                            aq[i] = aq[i] + t4[u] * a4[u]
                         for u in T.vectorized(SR):
                             t4[u] = dTs[n0 + i, s4 * SR + u]
                         for u in T.unroll(SR):
-                            aq[i] = aq[i] + a4[u] * kt[u]
-                            ap[i] = ap[i] + t4[u] * kt[u]
+                            ap[i] = ap[i] + t4[u] * a4[u]
                 for i in T.unroll(BC):
                     aq[i] = aq[i] * T.exp2(T.min(gr[i] - gr[0], 0.0))
                     ap[i] = ap[i] * T.exp2(T.min(gr[i] - gr[0], 0.0))
                 # columns against the rows r > n0 + 15, anchored at row n0 + 15
-                for r_ in T.serial((NW - 1 - w) * (BC // steps)):
-                    for h in T.unroll(steps):
-                        for j in T.vectorized(BC):
-                            a16[h * BC + j] = dAs[n0 + BC + r_ * steps + h, n0 + j]
-                        for j in T.vectorized(BC):
-                            t16[h * BC + j] = dTs[n0 + BC + r_ * steps + h, n0 + j]
-                        kt[3 * h] = T.exp2(T.min(Gs[n0 + BC + r_ * steps + h, ln] - gr[BC - 1], 0.0))
-                        kt[3 * h + 1] = qs[n0 + BC + r_ * steps + h, ln] * kt[3 * h]
-                        kt[3 * h + 2] = bks[n0 + BC + r_ * steps + h, ln] * kt[3 * h]
+                for r_ in T.serial((NW - 1 - w) * BC):
+                    for j in T.vectorized(BC):
+                        a16[j] = dAs[n0 + BC + r_, n0 + j]
+                    for j in T.vectorized(BC):
+                        t16[j] = dTs[n0 + BC + r_, n0 + j]
+                    kt[0] = T.exp2(T.min(Gs[n0 + BC + r_, ln] - gr[BC - 1], 0.0))
+                    kt[1] = qs[n0 + BC + r_, ln] * kt[0]
+                    kt[2] = bks[n0 + BC + r_, ln] * kt[0]
                     for j in T.unroll(BC):
-                        for h in T.unroll(steps):
-                            cs[j] = cs[j] + a16[h * BC + j] * kt[3 * h + 1] + t16[h * BC + j] * kt[3 * h + 2]
+                        cs[j] = cs[j] + a16[j] * kt[1] + t16[j] * kt[2]
                 for j in T.unroll(BC):
                     cs[j] = cs[j] * T.exp2(T.min(gr[BC - 1] - gr[j], 0.0))
                 # the diagonal block, exact (dAqk and dT vanish above the diagonal: pairs j <= i only)
@@ -607,34 +637,19 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, min_blocks=3,
                         a16[j] = dAs[n0 + i, n0 + j]
                     for j in T.vectorized(BC):
                         t16[j] = dTs[n0 + i, n0 + j]
-                    for u in T.unroll(1):
-                        kt[1] = qs[n0 + i, ln]
-                        kt[2] = bks[n0 + i, ln]
+                    kt[1] = qs[n0 + i, ln]
+                    kt[2] = bks[n0 + i, ln]
                     for j in T.unroll(BC):
                         if j <= i:
                             kt[0] = T.exp2(T.min(gr[i] - gr[j], 0.0))
                             aq[i] = aq[i] + a16[j] * kr[j] * kt[0]
                             ap[i] = ap[i] + t16[j] * kr[j] * kt[0]
                             cs[j] = cs[j] + (a16[j] * kt[1] + t16[j] * kt[2]) * kt[0]
-                # combine with the WY partials; dG into gr
-                if staged:
-                    for i in T.unroll(BC):
-                        gr[i] = T.if_then_else(
-                            n0 + i < valid, dgs[n0 + i, ln] + qs[n0 + i, ln] * aq[i] + bks[n0 + i, ln] * ap[i]
-                            - kr[i] * cs[i] + T.if_then_else(n0 + i == valid - 1, dgc[bb, slot, hv, col], 0.0), 0.0)
-                else:
-                    for i in T.unroll(BC):
-                        if n0 + i < valid:
-                            dq[bb, t0 + n0 + i, hv, col] = dq[bb, t0 + n0 + i, hv, col] + scale * aq[i]
-                            dk[bb, t0 + n0 + i, hv, col] = (dk[bb, t0 + n0 + i, hv, col]
-                                                            + T.cast(b[bb, t0 + n0 + i, hv, col], acc) * ap[i]
-                                                            + cs[i])
-                            db[bb, t0 + n0 + i, hv, col] = db[bb, t0 + n0 + i, hv, col] + kr[i] * ap[i]
-                            gr[i] = (dg[bb, t0 + n0 + i, hv, col] + qs[n0 + i, ln] * aq[i]
-                                     + bks[n0 + i, ln] * ap[i] - kr[i] * cs[i]
-                                     + T.if_then_else(n0 + i == valid - 1, dgc[bb, slot, hv, col], 0.0))
-                        else:
-                            gr[i] = 0.0
+                # combine with the WY partials: dG into gr, rows past the chunk's valid ones as zero
+                for i in T.unroll(BC):
+                    gr[i] = T.if_then_else(
+                        n0 + i < valid, dgs[n0 + i, ln] + qs[n0 + i, ln] * aq[i] + bks[n0 + i, ln] * ap[i]
+                        - kr[i] * cs[i] + T.if_then_else(n0 + i == valid - 1, dgc[bb, slot, hv, c0 + ln], 0.0), 0.0)
                 # dg = reverse cumsum of dG: the thread's rows, then the later warps' totals
                 csum = 0.0
                 for i in T.unroll(BC):
@@ -646,24 +661,19 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, min_blocks=3,
                 for w2 in T.serial(NW):
                     if w2 > w:
                         csum = csum + tot2[w2, ln]
-                if staged:
-                    for i in T.unroll(BC):
-                        Oq[n0 + i, ln] = scale * aq[i]
-                        Op[n0 + i, ln] = ap[i]
-                        Oc[n0 + i, ln] = cs[i]
-                        Og[n0 + i, ln] = gr[i] + csum
-                    for r, d in T.Parallel(C, DC):
-                        if r < valid:
-                            dq[bb, t0 + r, hv, c0 + d] = dq[bb, t0 + r, hv, c0 + d] + Oq[r, d]
-                            dk[bb, t0 + r, hv, c0 + d] = (dk[bb, t0 + r, hv, c0 + d]
-                                                          + T.cast(b[bb, t0 + r, hv, c0 + d], acc) * Op[r, d]
-                                                          + Oc[r, d])
-                            db[bb, t0 + r, hv, c0 + d] = db[bb, t0 + r, hv, c0 + d] + ks[r, d] * Op[r, d]
-                            dg[bb, t0 + r, hv, c0 + d] = Og[r, d]
-                else:
-                    for i in T.unroll(BC):
-                        if n0 + i < valid:
-                            dg[bb, t0 + n0 + i, hv, col] = gr[i] + csum
+                for i in T.unroll(BC):
+                    Oq[n0 + i, ln] = scale * aq[i]
+                    Op[n0 + i, ln] = ap[i]
+                    Oc[n0 + i, ln] = cs[i]
+                    Og[n0 + i, ln] = gr[i] + csum
+                for r, d in T.Parallel(C, DC):
+                    if r < valid:
+                        dq[bb, t0 + r, hv, c0 + d] = dq[bb, t0 + r, hv, c0 + d] + Oq[r, d]
+                        dk[bb, t0 + r, hv, c0 + d] = (dk[bb, t0 + r, hv, c0 + d]
+                                                      + T.cast(b[bb, t0 + r, hv, c0 + d], acc) * Op[r, d]
+                                                      + Oc[r, d])
+                        db[bb, t0 + r, hv, c0 + d] = db[bb, t0 + r, hv, c0 + d] + ks[r, d] * Op[r, d]
+                        dg[bb, t0 + r, hv, c0 + d] = Og[r, d]
 
     keep = {"q", "k", "g", "b", "dAqk", "dT", "dgc", "dq", "dk", "db", "dg"} | ({"cu_seqlens"} if varlen else set())
     return drop_params(main, keep)
@@ -679,8 +689,9 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
     ``do [B, T, HV, V]`` (``dtype``), ``dht [N, HV, K, V]`` fp32 when ``use_dht``, ``cu_seqlens [N+1]`` int32 when
     ``varlen`` (then B == 1). Outputs ``dh [B, NT, HV, K, V]``, ``dv [B, T, HV, V]``, ``dh0 [N, HV, K, V]``, all
     fp32. K, V in {64, 128}; ``block_v`` (default 16 for HV < 32, else 32, as the forward's state kernel) divides V.
-    ``split_ds`` (experimental): dS and dR enter their products in the input dtype plus their rounding residuals
-    (two products each), so only the forward's scratch carries 16-bit rounding. ``dv_name`` names the dR output
+    ``split_ds`` (off here; on by default in :func:`chunk_bwd_pipeline`, ``kernels.defaults``): dS and dR enter
+    their products in the input dtype plus their rounding residuals (two products each), so only the forward's
+    scratch carries 16-bit rounding. ``dv_name`` names the dR output
     (``chunk_bwd_pipeline`` calls it ``dv_new``, as FLA's gradient of ``v_new``).
     Raises ``ValueError`` for unsupported configurations.
     """
@@ -705,8 +716,9 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
 
 def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
-                       aqk_split: bool = True, split_ds: bool = False, block_v: int | None = None, stages: int = 2,
-                       local_bwd: bool = True, reg_diag: bool = False, intra_v2: int = 1,
+                       aqk_split: bool = True, split_ds: bool | None = None, block_v: int | None = None,
+                       stages: int = 2, local_bwd: bool = True, reg_diag: bool = False, intra_v2: bool | None = None,
+                       wy_load: str | None = None, wy_threads: int | None = None, wy_tf32_round: bool | None = None,
                        **_forward_options) -> Pipeline:
     """The backward kernels of ``chunk_gdn2`` for the forward configuration ``registry.config(...)`` (the same
     keyword arguments as ``chunk_fwd_pipeline``; ``block_v`` and ``stages`` apply to both state passes, the
@@ -720,13 +732,33 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     Outputs, fp32: ``dh0 [N, HV, K, V]``; ``dq, dk, dg, db [B, T, HV, K]`` (dq, dk per *value* head: the caller
     sums GVA groups) and ``dv, dw [B, T, HV, V]``. ``local_bwd=False``: the state pass only (outputs ``dh``,
     ``dv`` = dR and ``dh0``), the rest left to the caller (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
-    ``reg_diag`` (experimental): the intra launch sums its 16 x 16 diagonal blocks in registers, one exponent per
-    pair, instead of through shared memory (version 1 only). ``intra_v2`` (default 1): the intra launch's version
-    2 (:func:`_intra_bwd_v2_prim`: a block per chunk, value head and 32-channel slice, register sums; same
-    inputs and outputs): 1 = three blocks per SM, one step per loop iteration; 2 = two blocks per SM, two steps;
-    3 = three blocks per SM, two steps; 4, 5 = as 1, 3 with the slice's loads and stores staged through shared
-    memory (coalesced, vectorised); 0 / False = version 1 (:func:`_intra_bwd_prim`, session 7).
+
+    Options left as None take their value from ``kernels.defaults.BACKWARD``. ``split_ds``: as in
+    :func:`chunk_dstate_pipeline`. Options of the chunk-parallel launches: ``intra_v2``: the intra launch's version 2
+    (:func:`_intra_bwd_v2_prim`); False: version 1 (:func:`_intra_bwd_prim`), where ``reg_diag`` (experimental)
+    sums its 16 x 16 diagonal blocks in registers. ``wy_load``: how the WY launch's V-block loop loads its tiles:
+    ``"sync"`` (masked loads straight into shared memory, BV = 32), ``"async"`` (a two-stage ``cp.async``
+    pipeline) or ``"tma"`` (two stages of TMA copies from a producer warpgroup, warp-specialised).
+    ``wy_threads`` (256 or 512): the WY launch's block size (512: the same tiles over 16 warps, half the
+    accumulator registers per thread; not with ``"tma"``). ``wy_tf32_round``: the WY launch rounds its TF32
+    operands to nearest instead of letting the tensor core truncate them (``"sync"`` only: the pipelines'
+    rounded copies would not fit in shared memory).
+    Raises ``ValueError`` for option combinations that do not exist.
     """
+    from .defaults import BACKWARD
+
+    opts = dict(split_ds=split_ds, intra_v2=intra_v2, wy_load=wy_load, wy_threads=wy_threads,
+                wy_tf32_round=wy_tf32_round)
+    split_ds, intra_v2, wy_load, wy_threads, wy_tf32_round = (BACKWARD[n] if v is None else v for n, v in opts.items())
+    if reg_diag and intra_v2:
+        raise ValueError("chunk_bwd_pipeline: reg_diag=True needs intra_v2=False (it is an option of version 1)")
+    if wy_load not in ("sync", "async", "tma"):
+        raise ValueError(f"chunk_bwd_pipeline: wy_load={wy_load!r} must be 'sync', 'async' or 'tma'")
+    if wy_threads not in (256, 512):
+        raise ValueError(f"chunk_bwd_pipeline: wy_threads={wy_threads!r} must be 256 or 512")
+    if wy_tf32_round and wy_load != "sync":
+        raise ValueError(f"chunk_bwd_pipeline: wy_tf32_round=True needs wy_load='sync', got {wy_load!r} (the "
+                         "pipelines' rounded copies would not fit in shared memory)")
     kw = dict(HV=HV, K=K, V=V, dtype=dtype, use_dht=output_final_state, varlen=varlen, aqk_split=aqk_split,
               split_ds=split_ds, block_v=block_v, stages=stages)
     if not local_bwd:
@@ -734,21 +766,25 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     state = chunk_dstate_pipeline(**kw, dv_name="dv_new")
     cu = ("cu_seqlens",) if varlen else ()
     kl = dict(H=H, HV=HV, K=K, dtype=dtype, g_dtype=g_dtype, scale=float(scale), varlen=bool(varlen))
-    kw_wy = dict(kl, V=V, BV=32)
-    if reg_diag and not intra_v2:  # (in the intra launch's key only when on)
+    if wy_threads == 512 and wy_load == "tma":
+        raise ValueError("chunk_bwd_pipeline: wy_threads=512 needs wy_load='sync' or 'async' (with 'tma' the "
+                         "kernel would not fit in shared memory and registers)")
+    # V-block: 32 (16 for the 256-thread pipelines, whose two stages of 32 would not fit in shared memory)
+    kw_wy = dict(kl, V=V, BV=32 if wy_load == "sync" or wy_threads == 512 else 16,
+                 stages=1 if wy_load == "sync" else 2, threads=int(wy_threads), tf32_round=bool(wy_tf32_round))
+    # the cp.async pipeline: TileLang's default on Hopper (TMA copies, warp specialisation) switched off
+    wy_pc = (("tl.disable_tma_lower", True), ("tl.disable_warp_specialized", True)) if wy_load == "async" else ()
+    if reg_diag:
         kl["reg_diag"] = True
-    if intra_v2:  # True: 3 blocks per SM, one step; 2: 2 blocks per SM, two steps per loop iteration
-        kl["intra_v2"] = True if int(intra_v2) == 1 else int(intra_v2)
-    intra_prim = _intra_bwd_v2_prim if intra_v2 else _intra_bwd_prim
-    kl_build = {n: v for n, v in kl.items() if n != "intra_v2"}
-    kl_build.update({2: dict(min_blocks=2, steps=2), 3: dict(min_blocks=3, steps=2), 4: dict(staged=True),
-                     5: dict(staged=True, steps=2)}.get(int(intra_v2), {}))
-    wy = Launch(name="gdn2_chunk_bwd_wy", key=("gdn2_chunk_bwd_wy", _VERSION) + tuple(sorted(kw_wy.items())),
-                build=lambda: _wy_bwd_prim(**kw_wy),
+    wy = Launch(name="gdn2_chunk_bwd_wy",
+                key=("gdn2_chunk_bwd_wy", _VERSION, wy_load) + tuple(sorted(kw_wy.items())),
+                build=lambda: _wy_bwd_prim(**kw_wy), pass_configs=wy_pc,
                 args=("q", "k", "v", "g", "b", "w", "Akk", "h", "v_new", "dh", "dv_new", "do") + cu
                 + ("dq", "dk", "db", "dg", "dAqk", "dT", "dgc", "dv", "dw"))
-    intra = Launch(name="gdn2_chunk_bwd_intra", key=("gdn2_chunk_bwd_intra", _VERSION) + tuple(sorted(kl.items())),
-                   build=lambda: intra_prim(**kl_build),
+    intra_prim = _intra_bwd_v2_prim if intra_v2 else _intra_bwd_prim
+    intra = Launch(name="gdn2_chunk_bwd_intra",
+                   key=("gdn2_chunk_bwd_intra", _VERSION, "v2" if intra_v2 else "v1") + tuple(sorted(kl.items())),
+                   build=lambda: intra_prim(**kl),
                    args=("dAqk", "dT", "dgc", "q", "k", "g", "b") + cu + ("dq", "dk", "db", "dg"))
     f32 = "float32"
     tok = lambda n, D: Buf(n, ("B", "T", HV, D), f32)  # noqa: E731

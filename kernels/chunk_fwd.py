@@ -36,7 +36,7 @@ docs/performance-notes.md, session 4.
 """
 
 from . import registry
-from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params
+from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params, tf32_operand
 from ._pipeline import Buf, Launch, Pipeline
 
 __all__ = ["chunk_fwd_pipeline", "num_chunk_slots"]
@@ -161,13 +161,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     scale = float(scale)
     force_exact = 1 if exact_diag else 0
 
-    def tfr(x):
-        # TF32 operands: mma.sync drops the low 13 mantissa bits of raw fp32 (truncation, biased towards zero);
-        # with ``tf32_round`` they are rounded to nearest first (add half a TF32 ulp, then clear those bits)
-        if not tf32_round:
-            return x
-        return T.reinterpret(T.bitwise_and(T.reinterpret(x, "uint32") + T.uint32(0x1000), T.uint32(0xFFFFE000)),
-                             "float32")
+    def tfr(x):  # TF32 operands rounded to nearest with ``tf32_round``, else truncated by the tensor core
+        return tf32_operand(x, tf32_round)
 
     sig, dims = _signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, varlen=varlen)
     B, Tn, NT, NP1 = dims["B"], dims["T"], dims["NT"], dims["NP1"]

@@ -604,22 +604,24 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen):
             assert r <= 1e-2, (n_, name, r)
 
 
+_BWD_VARIANTS = ({}, {"intra_v2": False}, {"intra_v2": False, "reg_diag": True}, {"wy_load": "async", "wy_threads": 256},
+                 {"wy_load": "tma", "wy_threads": 256}, {"wy_load": "sync", "wy_threads": 256},
+                 {"wy_load": "sync", "wy_threads": 512},
+                 {"wy_load": "sync", "wy_tf32_round": True}, {"split_ds": False})
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("varlen,gdist,opts", [(False, "spec", {}), (True, "swept", {}),
-                                               (True, "swept", {"intra_v2": 0}),
-                                               (True, "swept", {"intra_v2": 0, "reg_diag": True}),
-                                               (False, "spec", {"intra_v2": 2}), (True, "swept", {"intra_v2": 2}),
-                                               (False, "spec", {"intra_v2": 3}), (True, "swept", {"intra_v2": 3}),
-                                               (False, "spec", {"intra_v2": 4}), (True, "swept", {"intra_v2": 4}),
-                                               (False, "spec", {"intra_v2": 5}), (True, "swept", {"intra_v2": 5})])
+@pytest.mark.parametrize("varlen,gdist,opts", [(v, g, o) for o in _BWD_VARIANTS
+                                               for v, g in ((False, "spec"), (True, "swept"))])
 def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist, opts):
     """The chunk-parallel backward launches (``gdn2_chunk_bwd_wy`` + ``gdn2_chunk_bwd_intra``, after the reverse
     state pass, ``kernels/chunk_bwd.py``), fed the training forward's own scratch and states, against their xla twin
     ``xla.chunk.chunk_backward_from_states`` (fp32 jnp on the CPU) on the same h, v_new, dh and dR: the six
     gradients (dq, dk summed over the GVA groups here) by RMS ratio; NaN-poisoned outputs (every element written);
     bit-identical reruns. Dense T = 200 (a partial last chunk; gates of the spec distribution) and packed
-    sequences of 0, 70, 130 tokens (gates swept down to -60, mixed within a chunk); the default intra launch
-    (version 2) and its variants (``intra_v2`` = 2-5; version 1 with and without ``reg_diag``)."""
+    sequences of 0, 70, 130 tokens (gates swept down to -60, mixed within a chunk); the default launches and the
+    options of ``chunk_bwd_pipeline`` (intra version 1 with and without ``reg_diag``; the WY launch's ``wy_load``
+    pipelines and ``wy_tf32_round``; ``split_ds``)."""
     import torch
 
     from gdn2_jax.xla import chunk as xc

@@ -183,6 +183,43 @@ def test_lowering_chunk_grad_runs_the_backward_kernels(varlen):
     assert varlen or not loops
 
 
+def test_backward_pipeline_options_are_checked_and_keyed():
+    """``chunk_bwd_pipeline`` refuses option combinations that do not exist (naming them) and gives every option
+    its own kernels: distinct cache keys for the WY launch per ``wy_load`` / ``wy_tf32_round`` and for the intra
+    launch per version; ``kernels.defaults.BACKWARD`` supplies the options left unset."""
+    from kernels import _compile, defaults
+    from kernels.build import BACKWARD_OPTIONS
+
+    op = registry.get("chunk_gdn2")
+    kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    with pytest.raises(ValueError, match="reg_diag=True needs intra_v2=False"):
+        op.backward_pipeline(**kw, reg_diag=True)
+    with pytest.raises(ValueError, match="wy_load='cp' must be"):
+        op.backward_pipeline(**kw, wy_load="cp")
+    with pytest.raises(ValueError, match="wy_threads=128 must be"):
+        op.backward_pipeline(**kw, wy_threads=128)
+    with pytest.raises(ValueError, match="wy_tf32_round=True needs"):
+        op.backward_pipeline(**kw, wy_load="async", wy_tf32_round=True)
+    with pytest.raises(ValueError, match="wy_threads=512 needs"):
+        op.backward_pipeline(**kw, wy_load="tma", wy_threads=512)
+    assert {"intra_v2", "reg_diag", "split_ds", "wy_load", "wy_threads", "wy_tf32_round"} <= BACKWARD_OPTIONS
+    assert not BACKWARD_OPTIONS & {"block_v", "stages", "aqk_split", "tf32_round", "H", "varlen"}
+
+    def keys(**o):
+        wy, intra = op.backward_pipeline(**kw, **o).launches[1:]
+        return _compile.cache_key(wy, "sm_90a"), _compile.cache_key(intra, "sm_90a")
+
+    default = keys()
+    assert default == keys(**{n: v for n, v in defaults.BACKWARD.items() if n != "split_ds"})
+    wys = {keys(wy_load=m, wy_threads=t, wy_tf32_round=r)[0] for m in ("sync", "async", "tma") for t in (256, 512)
+           for r in (False, True) if (m != "tma" or t == 256) and (m == "sync" or not r)}
+    assert len(wys) == 7
+    assert keys(intra_v2=False)[1] != default[1] and keys(intra_v2=False)[0] == default[0]
+    wy_async = op.backward_pipeline(**kw, wy_load="async").launches[1]
+    assert dict(wy_async.pass_configs) == {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
+
+
 @pytest.mark.parametrize("T", [0, 10])
 def test_lowering_chunk_grad_short_inputs(T):
     """``jax.grad`` through the backward kernels traces and lowers for T = 0 (no chunk slot at all) and T < 64:
@@ -377,10 +414,13 @@ def _kernels_to_build():
         out.append((f"chunk-backward-varlen{varlen}-k{kv}", registry.get("chunk_gdn2").backward_pipeline(
             H=2, HV=4, K=kv, V=kv, dtype=dt, g_dtype="float32" if varlen else "bfloat16", scale=kv ** -0.5,
             use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)))
-    for varlen, kv, v2 in ((False, 128, 0), (True, 64, 2), (False, 128, 3)):  # the intra launch's other variants
-        out.append((f"chunk-backward-intra{v2}-varlen{varlen}-k{kv}", registry.get("chunk_gdn2").backward_pipeline(
+    for varlen, kv, opts in ((False, 128, dict(intra_v2=False)), (True, 64, dict(wy_load="async", wy_threads=256)),
+                             (True, 128, dict(wy_load="tma", wy_threads=256)),
+                             (False, 128, dict(wy_load="sync", wy_threads=512, wy_tf32_round=True))):  # the backward's options
+        tag = "-".join(f"{n}{v}" for n, v in opts.items())
+        out.append((f"chunk-backward-{tag}-varlen{varlen}-k{kv}", registry.get("chunk_gdn2").backward_pipeline(
             H=2, HV=4, K=kv, V=kv, dtype="bfloat16", g_dtype="float32", scale=kv ** -0.5, use_initial_state=True,
-            output_final_state=True, varlen=varlen, use_qk_l2norm=False, intra_v2=v2)))
+            output_final_state=True, varlen=varlen, use_qk_l2norm=False, **opts)))
     return out
 
 

@@ -1,0 +1,21 @@
+"""Default options of the backward kernels (``kernels.chunk_bwd.chunk_bwd_pipeline``; never imports jax).
+
+Kept out of the kernels' source digest (``kernels/_compile.py`` hashes the file that builds a launch and the
+shared ``_common*`` / ``_pipeline`` / ``_compile`` modules, not this one) on purpose: every option's value is part
+of its launch's key, so changing a default here selects other kernels, already compiled and measured under their
+own keys, instead of changing the code of all of them. ``docs/performance-notes.md`` gives the measurements
+behind each choice.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BACKWARD"]
+
+#: ``split_ds``: the reverse state pass feeds dS and dR to its products as 16-bit values plus their rounding
+#: residuals (db 3.29e-3 instead of 3.87e-3 vs fp64 on the benchmark's gradient case, seed 77; session 10).
+#: ``intra_v2``: the intra-chunk launch's version 2 (3.40 ms instead of 10.3 at B4 T4096 H32).
+#: ``wy_load`` / ``wy_threads`` / ``wy_tf32_round``: how the WY launch loads its V-block tiles, its block size
+#: and TF32 operand rounding (see ``chunk_bwd_pipeline``). The two-stage cp.async pipeline over 512 threads:
+#: 2.72 ms at B4 T4096 H32 (synchronous loads, 256 threads: 4.02; cp.async, 256: 2.96; TMA, warp-specialised, 256:
+#: 3.71; synchronous, 512: 3.56; session 10). Rounding the TF32 operands left db on seed 77 where it was.
+BACKWARD = dict(split_ds=True, intra_v2=True, wy_load="async", wy_threads=512, wy_tf32_round=False)
