@@ -304,7 +304,7 @@ def main(argv=None):
         time_train_launches([(a.B, a.T, a.H)], once=2)
         return
     if a.grad_accuracy:
-        grad_accuracy(tuple((a.variants or "xla,kernel,split_ds").split(",")))
+        grad_accuracy(tuple((a.variants or "xla,kernel,no_split_ds").split(",")))
         return
     if a.train:
         shapes = None if not a.shapes else [tuple(int(n) for n in t.split(",")) for t in a.shapes.split(";")]

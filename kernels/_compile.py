@@ -106,13 +106,18 @@ def _file_digest(path: str) -> str:
 
 
 def _source_digest(launch: Launch) -> str:
-    """Hash of the file defining ``launch.build`` plus the shared kernel modules it may use."""
+    """Hash of the file defining ``launch.build``, the files its module names in ``SOURCE_DEPENDENCIES`` and the
+    shared kernel modules it may use."""
     files = set()
+    here = Path(__file__).resolve().parent
     try:
-        files.add(os.path.realpath(inspect.getsourcefile(launch.build)))
+        src = os.path.realpath(inspect.getsourcefile(launch.build))
+        files.add(src)
+        module = inspect.getmodule(launch.build)
+        for name in getattr(module, "SOURCE_DEPENDENCIES", ()):  # kernel code the module inlines from others
+            files.add(str(Path(src).parent / name))
     except TypeError:
         pass
-    here = Path(__file__).resolve().parent
     files.add(str(here / "_pipeline.py"))
     files.add(str(here / "_compile.py"))
     for p in here.glob("_common*.py"):

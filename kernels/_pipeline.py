@@ -56,8 +56,9 @@ class Launch:
     """One kernel launch.
 
     ``key`` is hashable and holds everything that changes the generated code (name, static dims, every input
-    dtype, flags, scale, block sizes); the compile cache adds the arch, the TileLang version and the hash of
-    the kernel's source file. ``build()`` returns the ``T.prim_func`` (called once per key). ``args`` are
+    dtype, flags, scale, block sizes), ``pass_configs`` included in effect (a launch whose pass configuration
+    is an option also names that option in its key); the compile cache adds the arch, the TileLang version and
+    the hash of the kernel's source files. ``build()`` returns the ``T.prim_func`` (called once per key). ``args`` are
     buffer names (pipeline inputs, scratch or outputs) in the prim_func's parameter order. ``pass_configs``:
     ``(name, value)`` pairs of TileLang pass configuration for this kernel's compile (also part of the cache key).
     """

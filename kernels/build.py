@@ -75,13 +75,13 @@ def preset(name: str) -> list[dict]:
     profile += [dict(cfg(4, 4, 128), exact_diag=True)]
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(wy_load="async", wy_threads=256),
-                    dict(wy_load="tma", wy_threads=256), dict(wy_load="sync", wy_threads=256),
-                    dict(wy_load="sync", wy_threads=512),
-                    dict(wy_load="sync", wy_tf32_round=True), dict(split_ds=False))
+                    dict(wy_load="async", wy_threads=512), dict(wy_load="tma", wy_threads=256),
+                    dict(wy_load="sync", wy_threads=256), dict(wy_load="sync", wy_threads=512),
+                    dict(wy_load="sync", wy_threads=256, wy_tf32_round=True), dict(split_ds=False))
     bench += [dict(cfg(32, 32, 128), **o) for o in bwd_variants]
     tests += [dict(cfg(2, 4, 128, varlen=v), **o) for v in (False, True) for o in bwd_variants]
-    # the backward variants alone: stage tests, launch times at the bench's largest head count, gradient accuracy
-    # (profile_chunk --grad-accuracy: B1 T256 H2)
+    # the backward variants (with the training kernels of their configurations): stage tests, launch times at the
+    # bench's largest head count, gradient accuracy (profile_chunk --grad-accuracy: B1 T256 H2)
     bwdexp = [dict(c, **o) for c in (cfg(32, 32, 128), cfg(2, 2, 128), cfg(2, 4, 128), cfg(2, 4, 128, varlen=True))
               for o in ({},) + bwd_variants]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
@@ -126,6 +126,22 @@ def _job(name, kw, part, index, arch):
 
 def build(configs, ops, arch, jobs=1, log=print):
     """Compile every launch of every (op, config) (op names from ``kernels.registry``); returns the library paths."""
+    work = plan(configs, ops, arch)
+    paths = []
+    if jobs <= 1:
+        results = (_job(*w) for w in work)
+    else:
+        ex = cf.ProcessPoolExecutor(jobs)
+        results = ex.map(_job, *zip(*work))
+    for (op, kw, _, i, _), (name, path, existed, dt) in zip(work, results):
+        log(f"{'cached ' if existed else 'built  '} {dt:6.1f}s {op:21s} {name:28s} {os.path.basename(path)[:60]}")
+        paths.append(path)
+    return paths
+
+
+def plan(configs, ops, arch) -> list[tuple]:
+    """The launches :func:`build` compiles, as ``(op name, config, part, launch index, arch)`` (no compile: raises
+    what a pipeline factory raises for an invalid configuration)."""
     work, seen = [], set()
     for name, kw in itertools.product(ops, configs):
         op = registry.get(name)
@@ -140,25 +156,17 @@ def build(configs, ops, arch, jobs=1, log=print):
         for part in parts:
             pipe = _pipe(name, kw, part)
             for i, la in enumerate(pipe.launches):
-                if la.key not in seen:  # (the training forward shares its first launch with the plain one)
-                    seen.add(la.key)
+                if (la.key, la.pass_configs) not in seen:  # (the training forward shares its first launch)
+                    seen.add((la.key, la.pass_configs))
                     work.append((name, kw, part, i, arch))
-    paths = []
-    if jobs <= 1:
-        results = (_job(*w) for w in work)
-    else:
-        ex = cf.ProcessPoolExecutor(jobs)
-        results = ex.map(_job, *zip(*work))
-    for (op, kw, _, i, _), (name, path, existed, dt) in zip(work, results):
-        log(f"{'cached ' if existed else 'built  '} {dt:6.1f}s {op:21s} {name:28s} {os.path.basename(path)[:60]}")
-        paths.append(path)
-    return paths
+    return work
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default=None, help="e.g. sm_90a (default: the local GPU's, else sm_90a)")
-    ap.add_argument("--preset", default=None, help="serving | tests | bench | layers | sweep | profile | all (or a,b,...)")
+    ap.add_argument("--preset", default=None,
+                    help="serving | tests | bench | layers | sweep | profile | bwdexp | all (or a,b,...)")
     ap.add_argument("--op", default="all",
                     help=f"comma-separated op names from kernels.registry ({', '.join(registry.OPS)}), or all")
     ap.add_argument("-j", "--jobs", type=int, default=1)

@@ -29,6 +29,9 @@ from .chunk_fwd import locate_chunk, seq_span, sizes_fn
 
 __all__ = ["chunk_dstate_pipeline", "chunk_bwd_pipeline"]
 
+# other kernel sources these kernels inline (``locate_chunk``, ``seq_span``): part of their cache key
+SOURCE_DEPENDENCIES = ("chunk_fwd.py",)
+
 _VERSION = 1
 
 
@@ -733,7 +736,8 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     sums GVA groups) and ``dv, dw [B, T, HV, V]``. ``local_bwd=False``: the state pass only (outputs ``dh``,
     ``dv`` = dR and ``dh0``), the rest left to the caller (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
-    Options left as None take their value from ``kernels.defaults.BACKWARD``. ``split_ds``: as in
+    Options left as None take their value from ``kernels.defaults.BACKWARD`` (``wy_threads`` is 256 when
+    ``wy_load="tma"`` is given). ``split_ds``: as in
     :func:`chunk_dstate_pipeline`. Options of the chunk-parallel launches: ``intra_v2``: the intra launch's version 2
     (:func:`_intra_bwd_v2_prim`); False: version 1 (:func:`_intra_bwd_prim`), where ``reg_diag`` (experimental)
     sums its 16 x 16 diagonal blocks in registers. ``wy_load``: how the WY launch's V-block loop loads its tiles:
@@ -743,22 +747,40 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     accumulator registers per thread; not with ``"tma"``). ``wy_tf32_round``: the WY launch rounds its TF32
     operands to nearest instead of letting the tensor core truncate them (``"sync"`` only: the pipelines'
     rounded copies would not fit in shared memory).
-    Raises ``ValueError`` for option combinations that do not exist.
+    Raises ``ValueError`` for option combinations that do not exist, non-bool flags and unknown options.
     """
+    import inspect
+
+    from .chunk_fwd import chunk_fwd_pipeline
     from .defaults import BACKWARD
 
-    opts = dict(split_ds=split_ds, intra_v2=intra_v2, wy_load=wy_load, wy_threads=wy_threads,
-                wy_tf32_round=wy_tf32_round)
-    split_ds, intra_v2, wy_load, wy_threads, wy_tf32_round = (BACKWARD[n] if v is None else v for n, v in opts.items())
+    fn = "chunk_bwd_pipeline"
+    unknown = sorted(set(_forward_options) - set(inspect.signature(chunk_fwd_pipeline).parameters))
+    if unknown:
+        raise ValueError(f"{fn}: unknown option(s) {', '.join(unknown)} (neither a backward option nor one of "
+                         "chunk_fwd_pipeline's)")
+    if wy_threads is None and wy_load == "tma":  # (the TMA pipeline exists with 256 threads only)
+        wy_threads = 256
+    given = dict(split_ds=split_ds, intra_v2=intra_v2, wy_load=wy_load, wy_threads=wy_threads,
+                 wy_tf32_round=wy_tf32_round)
+    src = {n: "" if v is not None else " (from kernels.defaults.BACKWARD)" for n, v in given.items()}
+    split_ds, intra_v2, wy_load, wy_threads, wy_tf32_round = (BACKWARD[n] if v is None else v
+                                                              for n, v in given.items())
+    for name, value in (("split_ds", split_ds), ("intra_v2", intra_v2), ("wy_tf32_round", wy_tf32_round)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{fn}: {name}={value!r}{src[name]} must be True or False")
     if reg_diag and intra_v2:
-        raise ValueError("chunk_bwd_pipeline: reg_diag=True needs intra_v2=False (it is an option of version 1)")
+        raise ValueError(f"{fn}: reg_diag=True needs intra_v2=False (it is an option of version 1){src['intra_v2']}")
     if wy_load not in ("sync", "async", "tma"):
-        raise ValueError(f"chunk_bwd_pipeline: wy_load={wy_load!r} must be 'sync', 'async' or 'tma'")
+        raise ValueError(f"{fn}: wy_load={wy_load!r}{src['wy_load']} must be 'sync', 'async' or 'tma'")
     if wy_threads not in (256, 512):
-        raise ValueError(f"chunk_bwd_pipeline: wy_threads={wy_threads!r} must be 256 or 512")
+        raise ValueError(f"{fn}: wy_threads={wy_threads!r}{src['wy_threads']} must be 256 or 512")
     if wy_tf32_round and wy_load != "sync":
-        raise ValueError(f"chunk_bwd_pipeline: wy_tf32_round=True needs wy_load='sync', got {wy_load!r} (the "
+        raise ValueError(f"{fn}: wy_tf32_round=True needs wy_load='sync', got {wy_load!r}{src['wy_load']} (the "
                          "pipelines' rounded copies would not fit in shared memory)")
+    if wy_threads == 512 and wy_load == "tma":
+        raise ValueError(f"{fn}: wy_threads=512{src['wy_threads']} needs wy_load='sync' or 'async' (with 'tma' "
+                         "the kernel would not fit in shared memory and registers)")
     kw = dict(HV=HV, K=K, V=V, dtype=dtype, use_dht=output_final_state, varlen=varlen, aqk_split=aqk_split,
               split_ds=split_ds, block_v=block_v, stages=stages)
     if not local_bwd:
@@ -766,10 +788,8 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     state = chunk_dstate_pipeline(**kw, dv_name="dv_new")
     cu = ("cu_seqlens",) if varlen else ()
     kl = dict(H=H, HV=HV, K=K, dtype=dtype, g_dtype=g_dtype, scale=float(scale), varlen=bool(varlen))
-    if wy_threads == 512 and wy_load == "tma":
-        raise ValueError("chunk_bwd_pipeline: wy_threads=512 needs wy_load='sync' or 'async' (with 'tma' the "
-                         "kernel would not fit in shared memory and registers)")
-    # V-block: 32 (16 for the 256-thread pipelines, whose two stages of 32 would not fit in shared memory)
+    # V-block: 32, or 16 for the 256-thread pipelines (TMA: two stages of 32 would not fit in shared memory;
+    # cp.async: chosen with TMA's tile, BV = 32 there not tried)
     kw_wy = dict(kl, V=V, BV=32 if wy_load == "sync" or wy_threads == 512 else 16,
                  stages=1 if wy_load == "sync" else 2, threads=int(wy_threads), tf32_round=bool(wy_tf32_round))
     # the cp.async pipeline: TileLang's default on Hopper (TMA copies, warp specialisation) switched off

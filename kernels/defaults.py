@@ -13,7 +13,7 @@ __all__ = ["BACKWARD"]
 
 #: ``split_ds``: the reverse state pass feeds dS and dR to its products as 16-bit values plus their rounding
 #: residuals (db 3.29e-3 instead of 3.87e-3 vs fp64 on the benchmark's gradient case, seed 77; session 10).
-#: ``intra_v2``: the intra-chunk launch's version 2 (3.40 ms instead of 10.3 at B4 T4096 H32).
+#: ``intra_v2``: the intra-chunk launch's version 2 (3.51 ms instead of 10.43 at B4 T4096 H32, do_bench, session 10).
 #: ``wy_load`` / ``wy_threads`` / ``wy_tf32_round``: how the WY launch loads its V-block tiles, its block size
 #: and TF32 operand rounding (see ``chunk_bwd_pipeline``). The two-stage cp.async pipeline over 512 threads:
 #: 2.72 ms at B4 T4096 H32 (synchronous loads, 256 threads: 4.02; cp.async, 256: 2.96; TMA, warp-specialised, 256:

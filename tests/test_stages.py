@@ -543,12 +543,13 @@ def _dstate_twin(Aqk, Y, QG, KG, gam, do, dht):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("varlen", [False, True])
-def test_gpu_dstate_launch_vs_xla_twin(varlen):
+@pytest.mark.parametrize("varlen,split_ds", [(False, False), (True, False), (False, True), (True, True)])
+def test_gpu_dstate_launch_vs_xla_twin(varlen, split_ds):
     """``kernels/chunk_bwd.py`` (the reverse state-gradient pass, not yet wired into the VJP), fed the forward
     launch's own scratch (Aqk + AqkL, Y, QG, KG, GAM) and random dO / dht, against the fp64 twin on the same values:
     every chunk's end-state gradient ``dh``, ``dv`` (= dR) and ``dh0``; NaN-poisoned outputs; bit-identical reruns.
-    Dense T = 200 (a partial last chunk) and packed sequences of 0, 70, 130 tokens."""
+    Dense T = 200 (a partial last chunk) and packed sequences of 0, 70, 130 tokens; with and without ``split_ds``
+    (dS and dR as 16-bit values plus their rounding residuals: the training backward's default)."""
     import torch
 
     from kernels import registry, torch_api
@@ -568,7 +569,7 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen):
     rng = np.random.default_rng(23)
     do = _bf16(rng.standard_normal((B, T, HV, V_)))
     dht = rng.standard_normal((N, HV, K_, V_)).astype(np.float32)
-    pipe = chunk_dstate_pipeline(HV=HV, K=K_, V=V_, dtype="bfloat16", use_dht=True, varlen=varlen)
+    pipe = chunk_dstate_pipeline(HV=HV, K=K_, V=V_, dtype="bfloat16", use_dht=True, varlen=varlen, split_ds=split_ds)
     ins = {n: fwd[n] for n in ("Aqk", "AqkL", "Y", "QG", "KG", "GAM")}
     ins.update(do=_torch(do), dht=_torch(dht))
     if varlen:
@@ -604,7 +605,9 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen):
             assert r <= 1e-2, (n_, name, r)
 
 
-_BWD_VARIANTS = ({}, {"intra_v2": False}, {"intra_v2": False, "reg_diag": True}, {"wy_load": "async", "wy_threads": 256},
+_BWD_VARIANTS = ({}, {"intra_v2": False}, {"intra_v2": False, "reg_diag": True},
+                 {"wy_load": "async", "wy_threads": 512},
+                 {"wy_load": "async", "wy_threads": 256},
                  {"wy_load": "tma", "wy_threads": 256}, {"wy_load": "sync", "wy_threads": 256},
                  {"wy_load": "sync", "wy_threads": 512},
                  {"wy_load": "sync", "wy_tf32_round": True}, {"split_ds": False})

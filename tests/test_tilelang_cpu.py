@@ -218,6 +218,31 @@ def test_backward_pipeline_options_are_checked_and_keyed():
     assert keys(intra_v2=False)[1] != default[1] and keys(intra_v2=False)[0] == default[0]
     wy_async = op.backward_pipeline(**kw, wy_load="async").launches[1]
     assert dict(wy_async.pass_configs) == {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
+    wy_tma = op.backward_pipeline(**kw, wy_load="tma").launches[1]  # (256 threads when tma is asked for)
+    assert wy_tma.key != wy_async.key and not wy_tma.pass_configs and ("threads", 256) in wy_tma.key
+    # the state pass follows split_ds (default on, explicit False off)
+    dstate = {n: op.backward_pipeline(**kw, split_ds=v).launches[0].key for n, v in (("on", True), ("off", False))}
+    assert op.backward_pipeline(**kw).launches[0].key == dstate["on" if defaults.BACKWARD["split_ds"] else "off"]
+    assert dstate["on"] != dstate["off"]
+    with pytest.raises(ValueError, match="intra_v2=2 must be True or False"):
+        op.backward_pipeline(**kw, intra_v2=2)
+    with pytest.raises(ValueError, match="unknown option.*wy_laod"):
+        op.backward_pipeline(**kw, wy_laod="sync")
+    with pytest.raises(ValueError, match=r"wy_tf32_round=True needs wy_load='sync', got 'async' \(from kernels"):
+        op.backward_pipeline(**kw, wy_load=None if defaults.BACKWARD["wy_load"] == "async" else "async",
+                             wy_tf32_round=True)
+
+
+def test_every_preset_describes_valid_pipelines():
+    """Every configuration of every ``kernels.build`` preset gives its pipelines (forward, training forward and
+    backward as ``build`` would compile them) without an error: the variants stay valid under the current
+    ``kernels.defaults`` (no kernel is compiled)."""
+    from kernels import build
+
+    for name in ("serving", "bench", "tests", "layers", "profile", "bwdexp", "sweep"):
+        work = build.plan(build.preset(name), tuple(registry.OPS), "sm_90a")
+        assert work, name
+        assert {part for _, _, part, _, _ in work} >= ({"fwd"} if name in ("sweep", "serving") else {"fwd", "bwd"})
 
 
 @pytest.mark.parametrize("T", [0, 10])
@@ -416,7 +441,7 @@ def _kernels_to_build():
             use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)))
     for varlen, kv, opts in ((False, 128, dict(intra_v2=False)), (True, 64, dict(wy_load="async", wy_threads=256)),
                              (True, 128, dict(wy_load="tma", wy_threads=256)),
-                             (False, 128, dict(wy_load="sync", wy_threads=512, wy_tf32_round=True))):  # the backward's options
+                             (False, 128, dict(wy_load="sync", wy_threads=512, wy_tf32_round=True))):  # options
         tag = "-".join(f"{n}{v}" for n, v in opts.items())
         out.append((f"chunk-backward-{tag}-varlen{varlen}-k{kv}", registry.get("chunk_gdn2").backward_pipeline(
             H=2, HV=4, K=kv, V=kv, dtype="bfloat16", g_dtype="float32", scale=kv ** -0.5, use_initial_state=True,
