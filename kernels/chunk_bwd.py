@@ -274,18 +274,12 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
                     T.gemm(dOs, Rs, dAq, transpose_B=True)       # dO R^T
                     T.gemm(dRs, Zs, dA, transpose_B=True)        # dR Z^T
                     T.gemm(AT, dRs, dZ, clear_accum=True)        # A^T dR
-                    if stages > 1:
-                        for r, e in T.Parallel(C, BV):
-                            if r < valid:
-                                dv[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(wb[r, e], acc)
-                                dw[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(vb_[r, e], acc)
-                    else:
-                        for r, e in T.Parallel(C, BV):
-                            if r < valid:
-                                dv[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(w[bb, t0 + r, hv, vb * BV + e],
-                                                                                    acc)
-                                dw[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(v[bb, t0 + r, hv, vb * BV + e],
-                                                                                    acc)
+                    for r, e in T.Parallel(C, BV):  # w, v: the pipeline's copies, else from global memory
+                        if r < valid:
+                            dv[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(
+                                wb[r, e] if stages > 1 else w[bb, t0 + r, hv, vb * BV + e], acc)
+                            dw[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(
+                                vb_[r, e] if stages > 1 else v[bb, t0 + r, hv, vb * BV + e], acc)
                     if tx < K:  # sum_e dS * S0 of row tx (columns visited in a rotated order: no bank conflicts)
                         csum = 0.0
                         for e in T.serial(BV):
