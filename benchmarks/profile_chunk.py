@@ -83,13 +83,17 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
     "xla": dict(kernel_backward=False), "kernel": dict(kernel_backward=True, options={}),
     "kernel_jnp": dict(kernel_backward=True, options={"local_bwd": False}),
     "kernel_v1": dict(kernel_backward=True, options={"intra_v2": False}),
+    "intra_tc": dict(kernel_backward=True, options={"intra_tc": True}),
+    "fast_diag": dict(kernel_backward=True, options={"intra_fast_diag": True}),
     "split_ds": dict(kernel_backward=True, options={"split_ds": True}),
     "no_split_ds": dict(kernel_backward=True, options={"split_ds": False}),
     "wy_round": dict(kernel_backward=True, options={"wy_load": "sync", "wy_tf32_round": True})}
 
 # the backward variants that ``--train-launches`` times beside the default (tag -> chunk_bwd_pipeline options)
-BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "sync256": dict(wy_load="sync", wy_threads=256),
-                       "async": dict(wy_load="async", wy_threads=256), "tma": dict(wy_load="tma", wy_threads=256),
+BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "fd": dict(intra_fast_diag=True),
+                       "tcfd": dict(intra_tc=True, intra_fast_diag=True),
+                       "sync256": dict(wy_load="sync", wy_threads=256), "async": dict(wy_load="async", wy_threads=256),
+                       "tma": dict(wy_load="tma", wy_threads=256),
                        "sync512": dict(wy_load="sync", wy_threads=512),
                        "async512": dict(wy_load="async", wy_threads=512), "nosplit": dict(split_ds=False)}
 

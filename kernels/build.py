@@ -74,7 +74,9 @@ def preset(name: str) -> list[dict]:
     profile += [dict(cfg(h, h, 128), **opt) for h in (4, 16, 32) for opt in ({},) + precision]
     profile += [dict(cfg(4, 4, 128), exact_diag=True)]
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
-    bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(wy_load="async", wy_threads=256),
+    bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
+                    dict(intra_fast_diag=True), dict(intra_tc=True, intra_fast_diag=True),
+                    dict(wy_load="async", wy_threads=256),
                     dict(wy_load="async", wy_threads=512), dict(wy_load="tma", wy_threads=256),
                     dict(wy_load="sync", wy_threads=256), dict(wy_load="sync", wy_threads=512),
                     dict(wy_load="sync", wy_threads=256, wy_tf32_round=True), dict(split_ds=False))

@@ -33,6 +33,10 @@ __all__ = ["chunk_dstate_pipeline", "chunk_bwd_pipeline"]
 SOURCE_DEPENDENCIES = ("chunk_fwd.py",)
 
 _VERSION = 1
+#: (intra launch, ``fast_diag``) the largest |G_r - G_a| (base 2) over a 16-row block and its middle row a for
+#: which the diagonal block is summed through per-row and per-column factors 2^(G_r - G_a), 2^(G_a - G_s) (all in
+#: 2^[-50, 50]: no overflow, no flush to zero for the fp32 gradients), as ``chunk_fwd.DIAG_HALF_RANGE``
+BWD_DIAG_RANGE = 50.0
 
 
 def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, split_ds=False):
@@ -514,7 +518,7 @@ def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, reg_diag=False):
     return drop_params(main, keep)
 
 
-def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen):
+def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, tc=False, fast_diag=False):
     """Launch ``gdn2_chunk_bwd_intra``, version 2 (the default, option ``intra_v2``): the same sums as
     :func:`_intra_bwd_prim` with one block of 128 threads per chunk slot, value head and channel slice of DC = 32
     (grid ``NT * B * K/32`` by HV, three blocks per SM), every sum in fp32 registers. The chunk's dAqk and dT and
@@ -529,24 +533,147 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen):
 
     Every exponent is <= 0 (``min(., 0)``). Then the WY partials are added as in :func:`_intra_bwd_prim` and dg is
     the reverse cumsum of dG within the chunk (thread-serial over its 16 rows, then the later warps' totals).
+
+    ``tc`` (option ``intra_tc``): the off-diagonal sums as TF32 tensor-core products (``T.gemm``, ``mma.sync``) with
+    the same anchors: for row block i (rows n = 16 i ..), ``[dAqk; dT][rows, :n] @ (k 2^(G_n - G))[:n]``; for
+    column block j (anchor m = 16 j + 15), ``dAqk[m+1:, cols]^T @ (scale q 2^(G - G_m))[m+1:] + dT[m+1:, cols]^T @
+    (b k 2^(G - G_m))[m+1:]``. The anchored operands are built in shared memory (rows past the chunk's valid ones
+    are zero), the products' fragments are scaled to their rows / columns and handed to the owning threads through
+    the same shared memory; the diagonal blocks stay exact fp32 pairs. ``fast_diag`` (option ``intra_fast_diag``):
+    when every channel's decay in every 16-row block stays within ``BWD_DIAG_RANGE`` of the block's middle row a and
+    does not increase (block-uniform, ``__syncthreads_or``), the diagonal block is summed through the factors
+    2^(G_r - G_a) and 2^(G_a - G_s) (32 exponents per thread instead of 136); otherwise exactly.
+
+    Every global load and store is masked by the chunk's valid rows in the kernel itself, so the launch is compiled
+    with TileLang's bounds checks off (``tl.disable_safe_memory_legalize``; checked on the generated CUDA by
+    ``tests/test_tilelang_cpu.py::test_backward_intra_masks_every_global_access_itself``).
     """
     import tilelang.language as T
 
     C, BC, DC, SR = CHUNK, 16, 32, 4   # SR: columns per step of the row part
     NW = C // BC
     TH = NW * DC
+    NSUM = NW * (NW - 1) // 2          # (tc) 16-row blocks of the anchored operands: 1 + 2 + 3
+    KO = [BC * i * (i - 1) // 2 for i in range(NW)]             # KA rows of row block i (i = 1..3)
+    QO = [BC * (NSUM - (NW - j) * (NW - 1 - j) // 2) for j in range(NW - 1)]  # QA / BA rows of column block j
     NDC = K // DC
     acc = "float32"
     grp = HV // H
     scale = float(scale)
     sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=K, dtype=dtype, g_dtype=g_dtype)
 
+    @T.macro
+    def diag_exact(n0, ln, gr, kr, aq, ap, cs, a16, t16, kt, dAs, dTs, qs, bks):
+        # the diagonal block, one exponent per pair
+        for i in T.unroll(BC):
+            for j in T.vectorized(BC):
+                a16[j] = dAs[n0 + i, n0 + j]
+            for j in T.vectorized(BC):
+                t16[j] = dTs[n0 + i, n0 + j]
+            kt[1] = qs[n0 + i, ln]
+            kt[2] = bks[n0 + i, ln]
+            for j in T.unroll(BC):
+                if j <= i:
+                    kt[0] = T.exp2(T.min(gr[i] - gr[j], 0.0))
+                    aq[i] = aq[i] + a16[j] * kr[j] * kt[0]
+                    ap[i] = ap[i] + t16[j] * kr[j] * kt[0]
+                    cs[j] = cs[j] + (a16[j] * kt[1] + t16[j] * kt[2]) * kt[0]
+
+    @T.macro
+    def off_diagonal_simt(w, n0, ln, gr, aq, ap, cs, a4, t4, a16, t16, kt, dAs, dTs, Gs, ks, qs, bks):
+        # rows against the columns s < n0, anchored at row n0 (SR columns per step)
+        for s4 in T.serial(w * (BC // SR)):
+            for u in T.unroll(SR):
+                a4[u] = ks[s4 * SR + u, ln] * T.exp2(T.min(gr[0] - Gs[s4 * SR + u, ln], 0.0))
+            for i in T.unroll(BC):
+                for u in T.vectorized(SR):
+                    t4[u] = dAs[n0 + i, s4 * SR + u]
+                for u in T.unroll(SR):
+                    aq[i] = aq[i] + t4[u] * a4[u]
+                for u in T.vectorized(SR):
+                    t4[u] = dTs[n0 + i, s4 * SR + u]
+                for u in T.unroll(SR):
+                    ap[i] = ap[i] + t4[u] * a4[u]
+        for i in T.unroll(BC):
+            aq[i] = aq[i] * T.exp2(T.min(gr[i] - gr[0], 0.0))
+            ap[i] = ap[i] * T.exp2(T.min(gr[i] - gr[0], 0.0))
+        # columns against the rows r > n0 + 15, anchored at row n0 + 15
+        for r_ in T.serial((NW - 1 - w) * BC):
+            for j in T.vectorized(BC):
+                a16[j] = dAs[n0 + BC + r_, n0 + j]
+            for j in T.vectorized(BC):
+                t16[j] = dTs[n0 + BC + r_, n0 + j]
+            kt[0] = T.exp2(T.min(Gs[n0 + BC + r_, ln] - gr[BC - 1], 0.0))
+            kt[1] = qs[n0 + BC + r_, ln] * kt[0]
+            kt[2] = bks[n0 + BC + r_, ln] * kt[0]
+            for j in T.unroll(BC):
+                cs[j] = cs[j] + a16[j] * kt[1] + t16[j] * kt[2]
+        for j in T.unroll(BC):
+            cs[j] = cs[j] * T.exp2(T.min(gr[BC - 1] - gr[j], 0.0))
+    # (tc) the three row blocks' and column blocks' pieces; ib, jb are Python ints
+    @T.macro
+    def fill_row(ib, KA, Gs, ks):
+        for s_, d in T.Parallel(ib * BC, DC):
+            KA[KO[ib] + s_, d] = ks[s_, d] * T.exp2(T.min(Gs[ib * BC, d] - Gs[s_, d], 0.0))
+
+    @T.macro
+    def fill_col(jb, QA, BA, Gs, qs, bks):
+        for r_, d in T.Parallel(C - (jb + 1) * BC, DC):
+            QA[QO[jb] + r_, d] = qs[(jb + 1) * BC + r_, d] * T.exp2(
+                T.min(Gs[(jb + 1) * BC + r_, d] - Gs[jb * BC + BC - 1, d], 0.0))
+            BA[QO[jb] + r_, d] = bks[(jb + 1) * BC + r_, d] * T.exp2(
+                T.min(Gs[(jb + 1) * BC + r_, d] - Gs[jb * BC + BC - 1, d], 0.0))
+
+    @T.macro
+    def gemm_row(ib, Fq_, Fp_, KA, dAs, dTs):
+        T.gemm(dAs[ib * BC:ib * BC + BC, 0:ib * BC], KA[KO[ib]:KO[ib] + ib * BC, 0:DC], Fq_, clear_accum=True)
+        T.gemm(dTs[ib * BC:ib * BC + BC, 0:ib * BC], KA[KO[ib]:KO[ib] + ib * BC, 0:DC], Fp_, clear_accum=True)
+
+    @T.macro
+    def gemm_col(jb, Fc_, QA, BA, dAs, dTs):
+        T.gemm(dAs[(jb + 1) * BC:C, jb * BC:jb * BC + BC], QA[QO[jb]:QO[jb] + C - (jb + 1) * BC, 0:DC], Fc_,
+               transpose_A=True, clear_accum=True)
+        T.gemm(dTs[(jb + 1) * BC:C, jb * BC:jb * BC + BC], BA[QO[jb]:QO[jb] + C - (jb + 1) * BC, 0:DC], Fc_,
+               transpose_A=True)
+
+    @T.macro
+    def store_row(ib, Fq_, Fp_, KA, Gs):
+        for r_, d in T.Parallel(BC, DC):
+            KA[(ib - 1) * BC + r_, d] = Fq_[r_, d] * T.exp2(T.min(Gs[ib * BC + r_, d] - Gs[ib * BC, d], 0.0))
+            KA[(NW - 2 + ib) * BC + r_, d] = Fp_[r_, d] * T.exp2(T.min(Gs[ib * BC + r_, d] - Gs[ib * BC, d], 0.0))
+
+    @T.macro
+    def store_col(jb, Fc_, QA, Gs):
+        for s_, d in T.Parallel(BC, DC):
+            QA[jb * BC + s_, d] = Fc_[s_, d] * T.exp2(T.min(Gs[jb * BC + BC - 1, d] - Gs[jb * BC + s_, d], 0.0))
+
+    @T.macro
+    def off_diagonal_tc(KA, QA, BA, Fq0, Fq1, Fq2, Fp0, Fp1, Fp2, Fc0, Fc1, Fc2, dAs, dTs, Gs, ks, qs, bks):
+        fill_row(1, KA, Gs, ks)
+        fill_row(2, KA, Gs, ks)
+        fill_row(3, KA, Gs, ks)
+        fill_col(0, QA, BA, Gs, qs, bks)
+        fill_col(1, QA, BA, Gs, qs, bks)
+        fill_col(2, QA, BA, Gs, qs, bks)
+        gemm_row(1, Fq0, Fp0, KA, dAs, dTs)
+        gemm_row(2, Fq1, Fp1, KA, dAs, dTs)
+        gemm_row(3, Fq2, Fp2, KA, dAs, dTs)
+        gemm_col(0, Fc0, QA, BA, dAs, dTs)
+        gemm_col(1, Fc1, QA, BA, dAs, dTs)
+        gemm_col(2, Fc2, QA, BA, dAs, dTs)
+        store_row(1, Fq0, Fp0, KA, Gs)
+        store_row(2, Fq1, Fp1, KA, Gs)
+        store_row(3, Fq2, Fp2, KA, Gs)
+        store_col(0, Fc0, QA, Gs)
+        store_col(1, Fc1, QA, Gs)
+        store_col(2, Fc2, QA, Gs)
+
     @T.prim_func
     def main(dAqk: sig["dAqk"], dT: sig["dT"], dgc: sig["dgc"], q: sig["q"], k: sig["k"], g: sig["g"],
              b: sig["b"], cu_seqlens: sig["cu_seqlens"], dq: sig["dq"], dk: sig["dk"], db: sig["db"],
              dg: sig["dg"]):
         with T.Kernel(NT * B * NDC, HV, threads=TH) as (bx, hv):
-            T.annotate_min_blocks_per_sm(3)
+            T.annotate_min_blocks_per_sm(2 if tc else 3)
             tx = T.get_thread_binding()
             hq = hv // grp
             c0 = (bx % NDC) * DC
@@ -557,11 +684,21 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen):
             Gs, ks, qs, bks, dgs = (T.alloc_shared((C, DC), acc) for _ in range(5))
             Oq, Op, Oc, Og = (T.alloc_shared((C, DC), acc) for _ in range(4))
             tot, tot2 = (T.alloc_shared((NW, DC), acc) for _ in range(2))
+            if tc:
+                # anchored operands: KA row block i at rows KO[i] (i rows blocks of k), QA / BA column block j at
+                # rows QO[j] (3 - j blocks of scale q / b k); after the products KA holds the row results (dq, P:
+                # row blocks 1..3) and QA the column results (column blocks 0..2)
+                KA, QA, BA = (T.alloc_shared((NSUM * BC, DC), acc) for _ in range(3))
+                Fq, Fp, Fc = ([T.alloc_fragment((BC, DC), acc) for _ in range(NW - 1)] for _ in range(3))
             gr, kr, aq, ap, cs = (T.alloc_local((BC,), acc) for _ in range(5))
             kt = T.alloc_local((3,), acc)
             a4, t4 = (T.alloc_local((SR,), acc) for _ in range(2))
             a16, t16 = (T.alloc_local((BC,), acc) for _ in range(2))
             csum = T.alloc_var(acc)
+            if fast_diag:
+                fast = T.alloc_var("int32")
+                ie, kre, cd = (T.alloc_local((BC,), acc) for _ in range(3))
+                sa, sp, ga = (T.alloc_var(acc) for _ in range(3))
             loc = T.alloc_local((4,), "int32")
             t0a = T.alloc_local((1,), "int64")
             locate_chunk(bx // NDC, cu_seqlens, Tn, NT, NP1, loc, t0a, varlen)
@@ -599,49 +736,54 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen):
                     ap[i] = 0.0
                     cs[i] = 0.0
                 T.sync_threads()
-                # rows against the columns s < n0, anchored at row n0 (SR columns per step)
-                for s4 in T.serial(w * (BC // SR)):
-                    for u in T.unroll(SR):
-                        a4[u] = ks[s4 * SR + u, ln] * T.exp2(T.min(gr[0] - Gs[s4 * SR + u, ln], 0.0))
+                if tc:
+                    off_diagonal_tc(KA, QA, BA, Fq[0], Fq[1], Fq[2], Fp[0], Fp[1], Fp[2], Fc[0], Fc[1], Fc[2], dAs, dTs,
+                                    Gs, ks, qs, bks)
                     for i in T.unroll(BC):
-                        for u in T.vectorized(SR):
-                            t4[u] = dAs[n0 + i, s4 * SR + u]
-                        for u in T.unroll(SR):
-                            aq[i] = aq[i] + t4[u] * a4[u]
-                        for u in T.vectorized(SR):
-                            t4[u] = dTs[n0 + i, s4 * SR + u]
-                        for u in T.unroll(SR):
-                            ap[i] = ap[i] + t4[u] * a4[u]
-                for i in T.unroll(BC):
-                    aq[i] = aq[i] * T.exp2(T.min(gr[i] - gr[0], 0.0))
-                    ap[i] = ap[i] * T.exp2(T.min(gr[i] - gr[0], 0.0))
-                # columns against the rows r > n0 + 15, anchored at row n0 + 15
-                for r_ in T.serial((NW - 1 - w) * BC):
-                    for j in T.vectorized(BC):
-                        a16[j] = dAs[n0 + BC + r_, n0 + j]
-                    for j in T.vectorized(BC):
-                        t16[j] = dTs[n0 + BC + r_, n0 + j]
-                    kt[0] = T.exp2(T.min(Gs[n0 + BC + r_, ln] - gr[BC - 1], 0.0))
-                    kt[1] = qs[n0 + BC + r_, ln] * kt[0]
-                    kt[2] = bks[n0 + BC + r_, ln] * kt[0]
-                    for j in T.unroll(BC):
-                        cs[j] = cs[j] + a16[j] * kt[1] + t16[j] * kt[2]
-                for j in T.unroll(BC):
-                    cs[j] = cs[j] * T.exp2(T.min(gr[BC - 1] - gr[j], 0.0))
-                # the diagonal block, exact (dAqk and dT vanish above the diagonal: pairs j <= i only)
-                for i in T.unroll(BC):
-                    for j in T.vectorized(BC):
-                        a16[j] = dAs[n0 + i, n0 + j]
-                    for j in T.vectorized(BC):
-                        t16[j] = dTs[n0 + i, n0 + j]
-                    kt[1] = qs[n0 + i, ln]
-                    kt[2] = bks[n0 + i, ln]
-                    for j in T.unroll(BC):
-                        if j <= i:
-                            kt[0] = T.exp2(T.min(gr[i] - gr[j], 0.0))
-                            aq[i] = aq[i] + a16[j] * kr[j] * kt[0]
-                            ap[i] = ap[i] + t16[j] * kr[j] * kt[0]
-                            cs[j] = cs[j] + (a16[j] * kt[1] + t16[j] * kt[2]) * kt[0]
+                        aq[i] = T.if_then_else(w > 0, KA[T.max(w - 1, 0) * BC + i, ln], 0.0)
+                        ap[i] = T.if_then_else(w > 0, KA[(NW - 1 + T.max(w - 1, 0)) * BC + i, ln], 0.0)
+                        cs[i] = T.if_then_else(w < NW - 1, QA[T.min(w, NW - 2) * BC + i, ln], 0.0)
+                else:
+                    off_diagonal_simt(w, n0, ln, gr, aq, ap, cs, a4, t4, a16, t16, kt, dAs, dTs, Gs, ks, qs, bks)
+                # the diagonal block (dAqk and dT vanish above the diagonal: pairs j <= i only)
+                if fast_diag:
+                    # anchored at the block's middle row when every channel's decay stays within BWD_DIAG_RANGE of it
+                    # and does not increase (block-uniform): two exponents per row and column instead of one per pair
+                    csum = 0.0
+                    for i in T.unroll(BC):
+                        csum = T.max(csum, T.abs(gr[i] - gr[BC // 2]))
+                        if i > 0:
+                            csum = T.max(csum, T.if_then_else(gr[i] > gr[i - 1], 2.0 * BWD_DIAG_RANGE, 0.0))
+                    fast = 1 - T.syncthreads_or(T.if_then_else(csum > BWD_DIAG_RANGE, 1, 0))
+                    if fast > 0:
+                        ga = gr[BC // 2]
+                        for j in T.unroll(BC):
+                            ie[j] = T.exp2(ga - gr[j])
+                            kre[j] = kr[j] * ie[j]
+                            cd[j] = 0.0
+                        for i in T.unroll(BC):
+                            for j in T.vectorized(BC):
+                                a16[j] = dAs[n0 + i, n0 + j]
+                            for j in T.vectorized(BC):
+                                t16[j] = dTs[n0 + i, n0 + j]
+                            kt[0] = T.exp2(gr[i] - ga)
+                            kt[1] = qs[n0 + i, ln] * kt[0]
+                            kt[2] = bks[n0 + i, ln] * kt[0]
+                            sa = 0.0
+                            sp = 0.0
+                            for j in T.unroll(BC):
+                                if j <= i:
+                                    sa = sa + a16[j] * kre[j]
+                                    sp = sp + t16[j] * kre[j]
+                                    cd[j] = cd[j] + a16[j] * kt[1] + t16[j] * kt[2]
+                            aq[i] = aq[i] + kt[0] * sa
+                            ap[i] = ap[i] + kt[0] * sp
+                        for j in T.unroll(BC):
+                            cs[j] = cs[j] + ie[j] * cd[j]
+                    else:
+                        diag_exact(n0, ln, gr, kr, aq, ap, cs, a16, t16, kt, dAs, dTs, qs, bks)
+                else:
+                    diag_exact(n0, ln, gr, kr, aq, ap, cs, a16, t16, kt, dAs, dTs, qs, bks)
                 # combine with the WY partials: dG into gr, rows past the chunk's valid ones as zero
                 for i in T.unroll(BC):
                     gr[i] = T.if_then_else(
@@ -715,7 +857,7 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        aqk_split: bool = True, split_ds: bool | None = None, block_v: int | None = None,
                        stages: int = 2, local_bwd: bool = True, reg_diag: bool = False, intra_v2: bool | None = None,
-                       wy_load: str | None = None, wy_threads: int | None = None, wy_tf32_round: bool | None = None,
+                       intra_tc: bool | None = None, intra_fast_diag: bool | None = None, wy_load: str | None = None, wy_threads: int | None = None, wy_tf32_round: bool | None = None,
                        **_forward_options) -> Pipeline:
     """The backward kernels of ``chunk_gdn2`` for the forward configuration ``registry.config(...)`` (the same
     keyword arguments as ``chunk_fwd_pipeline``; ``block_v`` and ``stages`` apply to both state passes, the
@@ -734,7 +876,10 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``wy_load="tma"`` is given). ``split_ds``: as in
     :func:`chunk_dstate_pipeline`. Options of the chunk-parallel launches: ``intra_v2``: the intra launch's version 2
     (:func:`_intra_bwd_v2_prim`); False: version 1 (:func:`_intra_bwd_prim`), where ``reg_diag`` (experimental)
-    sums its 16 x 16 diagonal blocks in registers. ``wy_load``: how the WY launch's V-block loop loads its tiles:
+    sums its 16 x 16 diagonal blocks in registers. ``intra_tc`` (version 2 only): its off-diagonal 16 x 16 blocks as
+    anchored TF32 tensor-core products instead of fp32 register sums. ``intra_fast_diag`` (version 2 only): its
+    16 x 16 diagonal blocks through per-row and per-column factors anchored at the block's middle row where the
+    decay allows (``BWD_DIAG_RANGE``; exact pairs elsewhere). ``wy_load``: how the WY launch's V-block loop loads its tiles:
     ``"sync"`` (masked loads straight into shared memory, BV = 32), ``"async"`` (a two-stage ``cp.async``
     pipeline) or ``"tma"`` (two stages of TMA copies from a producer warpgroup, warp-specialised).
     ``wy_threads`` (256 or 512): the WY launch's block size (512: the same tiles over 16 warps, half the
@@ -755,16 +900,21 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                          "chunk_fwd_pipeline's)")
     if wy_threads is None and wy_load == "tma":  # (the TMA pipeline exists with 256 threads only)
         wy_threads = 256
-    given = dict(split_ds=split_ds, intra_v2=intra_v2, wy_load=wy_load, wy_threads=wy_threads,
-                 wy_tf32_round=wy_tf32_round)
+    given = dict(split_ds=split_ds, intra_v2=intra_v2, intra_tc=intra_tc, intra_fast_diag=intra_fast_diag,
+                 wy_load=wy_load, wy_threads=wy_threads, wy_tf32_round=wy_tf32_round)
     src = {n: "" if v is not None else " (from kernels.defaults.BACKWARD)" for n, v in given.items()}
-    split_ds, intra_v2, wy_load, wy_threads, wy_tf32_round = (BACKWARD[n] if v is None else v
-                                                              for n, v in given.items())
-    for name, value in (("split_ds", split_ds), ("intra_v2", intra_v2), ("wy_tf32_round", wy_tf32_round)):
+    split_ds, intra_v2, intra_tc, intra_fast_diag, wy_load, wy_threads, wy_tf32_round = (
+        BACKWARD[n] if v is None else v for n, v in given.items())
+    for name, value in (("split_ds", split_ds), ("intra_v2", intra_v2), ("intra_tc", intra_tc),
+                        ("intra_fast_diag", intra_fast_diag), ("wy_tf32_round", wy_tf32_round)):
         if not isinstance(value, bool):
             raise ValueError(f"{fn}: {name}={value!r}{src[name]} must be True or False")
     if reg_diag and intra_v2:
         raise ValueError(f"{fn}: reg_diag=True needs intra_v2=False (it is an option of version 1){src['intra_v2']}")
+    for name, value in (("intra_tc", intra_tc), ("intra_fast_diag", intra_fast_diag)):
+        if value and not intra_v2:
+            raise ValueError(f"{fn}: {name}=True{src[name]} needs intra_v2=True (it is an option of version 2)"
+                             f"{src['intra_v2']}")
     if wy_load not in ("sync", "async", "tma"):
         raise ValueError(f"{fn}: wy_load={wy_load!r}{src['wy_load']} must be 'sync', 'async' or 'tma'")
     if wy_threads not in (256, 512):
@@ -790,15 +940,22 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     wy_pc = (("tl.disable_tma_lower", True), ("tl.disable_warp_specialized", True)) if wy_load == "async" else ()
     if reg_diag:
         kl["reg_diag"] = True
+    if intra_tc:
+        kl["tc"] = True
+    if intra_fast_diag:
+        kl["fast_diag"] = True
     wy = Launch(name="gdn2_chunk_bwd_wy",
                 key=("gdn2_chunk_bwd_wy", _VERSION, wy_load) + tuple(sorted(kw_wy.items())),
                 build=lambda: _wy_bwd_prim(**kw_wy), pass_configs=wy_pc,
                 args=("q", "k", "v", "g", "b", "w", "Akk", "h", "v_new", "dh", "dv_new", "do") + cu
                 + ("dq", "dk", "db", "dg", "dAqk", "dT", "dgc", "dv", "dw"))
     intra_prim = _intra_bwd_v2_prim if intra_v2 else _intra_bwd_prim
+    # version 2 masks every global access by the chunk's valid rows itself: TileLang's bounds checks (int64 index
+    # arithmetic and compares on each load and store) are switched off
+    intra_pc = (("tl.disable_safe_memory_legalize", True),) if intra_v2 else ()
     intra = Launch(name="gdn2_chunk_bwd_intra",
                    key=("gdn2_chunk_bwd_intra", _VERSION, "v2" if intra_v2 else "v1") + tuple(sorted(kl.items())),
-                   build=lambda: intra_prim(**kl),
+                   build=lambda: intra_prim(**kl), pass_configs=intra_pc,
                    args=("dAqk", "dT", "dgc", "q", "k", "g", "b") + cu + ("dq", "dk", "db", "dg"))
     f32 = "float32"
     tok = lambda n, D: Buf(n, ("B", "T", HV, D), f32)  # noqa: E731

@@ -13,9 +13,13 @@ __all__ = ["BACKWARD"]
 
 #: ``split_ds``: the reverse state pass feeds dS and dR to its products as 16-bit values plus their rounding
 #: residuals (db 3.29e-3 instead of 3.87e-3 vs fp64 on the benchmark's gradient case, seed 77; session 10).
-#: ``intra_v2``: the intra-chunk launch's version 2 (3.51 ms instead of 10.43 at B4 T4096 H32, do_bench, session 10).
+#: ``intra_v2``: the intra-chunk launch's version 2 (3.51 ms instead of 10.43 at B4 T4096 H32, do_bench, session 10;
+#: 2.99 ms with TileLang's bounds checks off, session 11).
 #: ``wy_load`` / ``wy_threads`` / ``wy_tf32_round``: how the WY launch loads its V-block tiles, its block size
 #: and TF32 operand rounding (see ``chunk_bwd_pipeline``). The two-stage cp.async pipeline over 512 threads:
 #: 2.72 ms at B4 T4096 H32 (synchronous loads, 256 threads: 4.02; cp.async, 256: 2.96; TMA, warp-specialised, 256:
 #: 3.71; synchronous, 512: 3.56; session 10). Rounding the TF32 operands left db on seed 77 where it was.
-BACKWARD = dict(split_ds=True, intra_v2=True, wy_load="async", wy_threads=512, wy_tf32_round=False)
+#: ``intra_tc``: version 2's off-diagonal blocks as TF32 tensor-core products (4.29 ms instead of 2.99 at B4 T4096
+#: H32, session 11: two blocks of 4 warps per SM). ``intra_fast_diag``: its diagonal blocks anchored at their
+#: middle rows where the decay allows (3.07 ms instead of 2.99, session 11). Both stay off.
+BACKWARD = dict(split_ds=True, intra_v2=True, intra_tc=False, intra_fast_diag=False, wy_load="async", wy_threads=512, wy_tf32_round=False)

@@ -605,7 +605,8 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, split_ds):
             assert r <= 1e-2, (n_, name, r)
 
 
-_BWD_VARIANTS = ({}, {"intra_v2": False}, {"intra_v2": False, "reg_diag": True},
+_BWD_VARIANTS = ({}, {"intra_v2": False}, {"intra_v2": False, "reg_diag": True}, {"intra_tc": True}, {"intra_fast_diag": True},
+                 {"intra_tc": True, "intra_fast_diag": True},
                  {"wy_load": "async", "wy_threads": 512},
                  {"wy_load": "async", "wy_threads": 256},
                  {"wy_load": "tma", "wy_threads": 256}, {"wy_load": "sync", "wy_threads": 256},
@@ -623,7 +624,8 @@ def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist, opts):
     gradients (dq, dk summed over the GVA groups here) by RMS ratio; NaN-poisoned outputs (every element written);
     bit-identical reruns. Dense T = 200 (a partial last chunk; gates of the spec distribution) and packed
     sequences of 0, 70, 130 tokens (gates swept down to -60, mixed within a chunk); the default launches and the
-    options of ``chunk_bwd_pipeline`` (intra version 1 with and without ``reg_diag``; the WY launch's ``wy_load``
+    options of ``chunk_bwd_pipeline`` (intra version 1 with and without ``reg_diag``, version 2 with
+    ``intra_tc`` and / or ``intra_fast_diag``; the WY launch's ``wy_load``
     pipelines and ``wy_tf32_round``; ``split_ds``)."""
     import torch
 

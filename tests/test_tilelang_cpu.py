@@ -183,6 +183,54 @@ def test_lowering_chunk_grad_runs_the_backward_kernels(varlen):
     assert varlen or not loops
 
 
+def _unmasked_global_accesses(src: str) -> list[str]:
+    """The global-buffer accesses of the CUDA ``src`` of a ``main_kernel`` that are not inside an ``if`` on a row
+    bound (a condition naming ``valid`` other than the chunk-level ``0 < valid``); ``cu_seqlens`` (read by
+    ``locate_chunk`` at indices its search keeps in range) is not counted."""
+    head = re.search(r"__launch_bounds__[^(]*\([^)]*\) main_kernel\((.*?)\) \{", src, re.S)
+    names = [n for n in re.findall(r"\*\s*__restrict__\s+(\w+)", head.group(1)) if n != "cu_seqlens"]
+    body = src[head.end():]
+    stack, bad = [], []
+    for line in body.splitlines():
+        s = line.strip()
+        for n in names:
+            if re.search(r"(?<![\w.])%s\s*(\[|\+)" % n, s):
+                if not any("valid" in c and c.strip() != "0 < valid" for c in stack):
+                    bad.append(s[:120])
+        if s.endswith("{"):
+            m = re.match(r"(?:\} else )?if \((.*)\) \{$", s)
+            if s.startswith("}") and stack:  # "} else {" / "} else if (...) {": the if branch ends here
+                stack.pop()
+            stack.append(m.group(1) if m else "")  # (an else branch adds no mask)
+        elif s.startswith("}") and stack:
+            stack.pop()
+    return bad
+
+
+@needs_tilelang
+@pytest.mark.slow
+@pytest.mark.parametrize("varlen,opts", [(False, {}), (True, dict(intra_tc=True, intra_fast_diag=True))])
+def test_backward_intra_masks_every_global_access_itself(varlen, opts):
+    """The intra launch of version 2 is compiled with TileLang's bounds checks switched off
+    (``tl.disable_safe_memory_legalize``): every load and store of a global buffer in its generated CUDA must sit
+    under its own row mask (rows of the chunk's valid range), so none can reach past T or into another sequence."""
+    import tilelang
+
+    pipe = registry.get("chunk_gdn2").backward_pipeline(
+        H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5, use_initial_state=True,
+        output_final_state=True, varlen=varlen, use_qk_l2norm=False, **opts)
+    intra = pipe.launches[-1]
+    assert intra.name == "gdn2_chunk_bwd_intra"
+    assert dict(intra.pass_configs) == {"tl.disable_safe_memory_legalize": True}
+    src = tilelang.compile(intra.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                           pass_configs=dict(intra.pass_configs)).get_kernel_source()
+    assert "dq[" in src or "(dq +" in src  # (the accesses are found at all)
+    assert _unmasked_global_accesses(src) == []
+    # the check itself: the same kernel with TileLang's checks on is fine, a kernel without row masks is caught
+    fake = src.replace("if ((((i * 4) + (((int)threadIdx.x) >> 5)) < valid)) {", "if (1) {")
+    assert fake != src and _unmasked_global_accesses(fake)
+
+
 def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
     """``chunk_bwd_pipeline`` refuses option combinations that do not exist (naming them) and gives every option
     its own kernels: distinct cache keys for the WY launch per ``wy_load`` / ``wy_tf32_round`` and for the intra
@@ -195,6 +243,10 @@ def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
               use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
     with pytest.raises(ValueError, match="reg_diag=True needs intra_v2=False"):
         op.backward_pipeline(**kw, reg_diag=True)
+    with pytest.raises(ValueError, match="intra_tc=True needs intra_v2=True"):
+        op.backward_pipeline(**kw, intra_v2=False, intra_tc=True)
+    with pytest.raises(ValueError, match="intra_fast_diag=True needs intra_v2=True"):
+        op.backward_pipeline(**kw, intra_v2=False, intra_fast_diag=True)
     with pytest.raises(ValueError, match="wy_load='cp' must be"):
         op.backward_pipeline(**kw, wy_load="cp")
     with pytest.raises(ValueError, match="wy_threads=128 must be"):
@@ -203,7 +255,7 @@ def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
         op.backward_pipeline(**kw, wy_load="async", wy_tf32_round=True)
     with pytest.raises(ValueError, match="wy_threads=512 needs"):
         op.backward_pipeline(**kw, wy_load="tma", wy_threads=512)
-    assert {"intra_v2", "reg_diag", "split_ds", "wy_load", "wy_threads", "wy_tf32_round"} <= BACKWARD_OPTIONS
+    assert {"intra_v2", "intra_tc", "reg_diag", "split_ds", "wy_load", "wy_threads", "wy_tf32_round"} <= BACKWARD_OPTIONS
     assert not BACKWARD_OPTIONS & {"block_v", "stages", "aqk_split", "tf32_round", "H", "varlen"}
 
     def keys(**o):
@@ -216,6 +268,8 @@ def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
            for r in (False, True) if (m != "tma" or t == 256) and (m == "sync" or not r)}
     assert len(wys) == 7
     assert keys(intra_v2=False)[1] != default[1] and keys(intra_v2=False)[0] == default[0]
+    intras = {keys(intra_v2=True, intra_tc=t, intra_fast_diag=f)[1] for t in (False, True) for f in (False, True)}
+    assert len(intras | {keys(intra_v2=False)[1]}) == 5 and keys(intra_tc=True)[0] == default[0]
     wy_async = op.backward_pipeline(**kw, wy_load="async").launches[1]
     assert dict(wy_async.pass_configs) == {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
     wy_tma = op.backward_pipeline(**kw, wy_load="tma").launches[1]  # (256 threads when tma is asked for)
@@ -440,6 +494,8 @@ def _kernels_to_build():
             H=2, HV=4, K=kv, V=kv, dtype=dt, g_dtype="float32" if varlen else "bfloat16", scale=kv ** -0.5,
             use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)))
     for varlen, kv, opts in ((False, 128, dict(intra_v2=False)), (True, 64, dict(wy_load="async", wy_threads=256)),
+                             (True, 64, dict(intra_tc=True)), (False, 128, dict(intra_tc=True, intra_fast_diag=True)),
+                             (True, 128, dict(intra_fast_diag=True)),
                              (True, 128, dict(wy_load="tma", wy_threads=256)),
                              (False, 128, dict(wy_load="sync", wy_threads=512, wy_tf32_round=True))):  # options
         tag = "-".join(f"{n}{v}" for n, v in opts.items())
