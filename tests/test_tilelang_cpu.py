@@ -183,10 +183,18 @@ def test_lowering_chunk_grad_runs_the_backward_kernels(varlen):
     assert varlen or not loops
 
 
+def _row_mask(cond: str) -> bool:
+    """Whether the CUDA ``if`` condition bounds a row by ``valid`` (``... < valid`` or ``... == (valid - 1)``), as
+    opposed to the chunk-level ``0 < valid``."""
+    return bool(re.search(r"(<|==) \(?valid", cond)) and re.sub(r"[()\s]", "", cond) != "0<valid"
+
+
 def _unmasked_global_accesses(src: str) -> list[str]:
     """The global-buffer accesses of the CUDA ``src`` of a ``main_kernel`` that are not inside an ``if`` on a row
-    bound (a condition naming ``valid`` other than the chunk-level ``0 < valid``); ``cu_seqlens`` (read by
-    ``locate_chunk`` at indices its search keeps in range) is not counted."""
+    bound (a condition comparing an expression of the thread index or a loop variable with ``valid``; the
+    chunk-level ``0 < valid`` does not count); ``cu_seqlens`` (read by ``locate_chunk`` at indices its search keeps
+    in range) is not counted. Lexical: it does not follow pointers derived from a global buffer (TileLang's CUDA
+    indexes the parameters directly) or check that the mask's row term is the address's."""
     head = re.search(r"__launch_bounds__[^(]*\([^)]*\) main_kernel\((.*?)\) \{", src, re.S)
     names = [n for n in re.findall(r"\*\s*__restrict__\s+(\w+)", head.group(1)) if n != "cu_seqlens"]
     body = src[head.end():]
@@ -195,7 +203,7 @@ def _unmasked_global_accesses(src: str) -> list[str]:
         s = line.strip()
         for n in names:
             if re.search(r"(?<![\w.])%s\s*(\[|\+)" % n, s):
-                if not any("valid" in c and c.strip() != "0 < valid" for c in stack):
+                if not any(_row_mask(c) for c in stack):
                     bad.append(s[:120])
         if s.endswith("{"):
             m = re.match(r"(?:\} else )?if \((.*)\) \{$", s)
@@ -209,15 +217,17 @@ def _unmasked_global_accesses(src: str) -> list[str]:
 
 @needs_tilelang
 @pytest.mark.slow
-@pytest.mark.parametrize("varlen,opts", [(False, {}), (True, dict(intra_tc=True, intra_fast_diag=True))])
-def test_backward_intra_masks_every_global_access_itself(varlen, opts):
+@pytest.mark.parametrize("varlen,HV,KV,g_dtype,opts", [
+    (False, 4, 128, "float32", {}), (True, 4, 128, "float32", dict(intra_tc=True, intra_fast_diag=True)),
+    (True, 2, 64, "bfloat16", dict(intra_fast_diag=True)), (False, 2, 64, "bfloat16", dict(intra_tc=True))])
+def test_backward_intra_masks_every_global_access_itself(varlen, HV, KV, g_dtype, opts):
     """The intra launch of version 2 is compiled with TileLang's bounds checks switched off
     (``tl.disable_safe_memory_legalize``): every load and store of a global buffer in its generated CUDA must sit
     under its own row mask (rows of the chunk's valid range), so none can reach past T or into another sequence."""
     import tilelang
 
     pipe = registry.get("chunk_gdn2").backward_pipeline(
-        H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5, use_initial_state=True,
+        H=2, HV=HV, K=KV, V=KV, dtype="bfloat16", g_dtype=g_dtype, scale=KV ** -0.5, use_initial_state=True,
         output_final_state=True, varlen=varlen, use_qk_l2norm=False, **opts)
     intra = pipe.launches[-1]
     assert intra.name == "gdn2_chunk_bwd_intra"
@@ -226,9 +236,12 @@ def test_backward_intra_masks_every_global_access_itself(varlen, opts):
                            pass_configs=dict(intra.pass_configs)).get_kernel_source()
     assert "dq[" in src or "(dq +" in src  # (the accesses are found at all)
     assert _unmasked_global_accesses(src) == []
-    # the check itself: the same kernel with TileLang's checks on is fine, a kernel without row masks is caught
-    fake = src.replace("if ((((i * 4) + (((int)threadIdx.x) >> 5)) < valid)) {", "if (1) {")
-    assert fake != src and _unmasked_global_accesses(fake)
+    # the check itself: a kernel whose row mask is removed, or turned into a chunk-level one, is caught
+    mask = "if ((((i * 4) + (((int)threadIdx.x) >> 5)) < valid)) {"
+    assert mask in src
+    for fake in (src.replace(mask, "if (1) {"), src.replace(mask, "if ((0 < valid)) {"),
+                 src.replace(mask, "if (valid > 0) {")):
+        assert _unmasked_global_accesses(fake)
 
 
 def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
