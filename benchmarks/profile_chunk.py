@@ -27,7 +27,8 @@ import os
 
 VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v": 64},
             "exact_self": {"exact_self": True}, "tf32_round": {"tf32_round": True}, "v5": {"aqk_split": False},
-            "precise": {"tf32_round": True, "exact_self": True}}
+            "precise": {"tf32_round": True, "exact_self": True}, "prefetch": {"intra_prefetch": True},
+            "no_prefetch": {"intra_prefetch": False}}
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
@@ -90,6 +91,7 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
     "wy_round": dict(kernel_backward=True, options={"wy_load": "sync", "wy_tf32_round": True})}
 
 # the backward variants that ``--train-launches`` times beside the default (tag -> chunk_bwd_pipeline options)
+FWD_LAUNCH_VARIANTS = {"pre:": dict(intra_prefetch=True)}  # training-forward variants timed by --train-launches
 BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "fd": dict(intra_fast_diag=True),
                        "tcfd": dict(intra_tc=True, intra_fast_diag=True),
                        "sync256": dict(wy_load="sync", wy_threads=256), "async": dict(wy_load="async", wy_threads=256),
@@ -270,6 +272,9 @@ def time_train_launches(shapes, once=0):
             return
         for la, fn in bench_lib.stage_callables(fwd, x):
             row[f"fwd:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
+        for tag, o in FWD_LAUNCH_VARIANTS.items():  # (not in the total)
+            for la, fn in bench_lib.stage_callables(op.pipeline(**cfg, save_states=True, **o), x):
+                row[f"{tag}fwd:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
         res = torch_api.run_pipeline(fwd, x, return_scratch=True)
         ins = {n: (res[n] if n in res else x[n]) for n in bwd.inputs if n not in ("do", "dht")}
         ins["do"] = torch.randn_like(res["o"])
@@ -327,8 +332,13 @@ def main(argv=None):
 
     x = bench_lib.torch_inputs(a.B, a.T, a.H, a.H, seed=0)
     q, k, v, gg, b, w, h0 = (x[n] for n in ("q", "k", "v", "g", "b", "w", "h0"))
+    variant = os.environ.get("PROFILE_VARIANT")  # (ncu of a VARIANTS entry instead of the public op's kernels)
+    pipe = bench_lib.chunk_pipeline(a.H, a.H, **VARIANTS[variant]) if variant else None
     for _ in range(a.calls):
-        o, ht = torch_api.chunk_gdn2(q, k, v, gg, b, w, initial_state=h0, output_final_state=True)
+        if pipe is None:
+            o, ht = torch_api.chunk_gdn2(q, k, v, gg, b, w, initial_state=h0, output_final_state=True)
+        else:
+            o = torch_api.run_pipeline(pipe, x)["o"]
     torch.cuda.synchronize()
     print("ok", tuple(o.shape), float(o.float().abs().mean()))
 

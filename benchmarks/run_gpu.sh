@@ -9,9 +9,11 @@
 #   dgraph  the CUDA-graph (XLA command buffer) half of decode alone
 #   bench   python -m benchmarks.bench (the benchmark of record; json/md/png and latest.json into $OUT)
 #   train   examples/train_lm.py --backend tilelang (training + generation at batch 1 and 64)
-#   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32
+#   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32 (PROFILE_VARIANT=prefetch: a
+#           profile_chunk.VARIANTS entry instead of the public op's kernels; also for ncusrc)
 #   ncubwd  Nsight Compute counters of the three backward launches at B4 T4096 H32 ($OUT/ncu_bwd.txt; BWD_VARIANT=tma: etc., profile_chunk.BWD_LAUNCH_VARIANTS)
 #   ptime   benchmarks/profile_chunk.py --time: each chunk launch of each kernel variant on the grid, FLA alongside
+#           (PTIME_VARIANTS; first --accuracy over ACC_VARIANTS unless ACC_VARIANTS=none)
 #   ttime   benchmarks/profile_chunk.py --train: the training step, xla VJP (dense / factored) vs backward kernels
 #   tlaunch benchmarks/profile_chunk.py --train-launches: each training-forward and backward launch (TRAIN_SHAPES)
 #   gacc    benchmarks/profile_chunk.py --grad-accuracy: the seven gradients vs fp64 per backward variant, FLA alongside
@@ -101,8 +103,8 @@ fi
 if has ptime; then
   step ptime
   timeout ${T_BUILD:-240} python -m kernels.build --preset profile -j 15 2>&1 | quiet | grep "kernels for" | tee -a "$LOG"
-  timeout ${T_PTIME:-240} python -m benchmarks.profile_chunk --accuracy --variants ${ACC_VARIANTS:-default,exact_diag,exact_self} \
-      2>&1 | quiet | grep "ACCURACY\|Error" | tee -a "$LOG"
+  [[ "${ACC_VARIANTS:-}" != none ]] && timeout ${T_PTIME:-240} python -m benchmarks.profile_chunk --accuracy \
+      --variants ${ACC_VARIANTS:-default,exact_diag,exact_self} 2>&1 | quiet | grep "ACCURACY\|Error" | tee -a "$LOG"
   timeout ${T_PTIME:-240} python -m benchmarks.profile_chunk --time --variants ${PTIME_VARIANTS:-default,exact_diag,bv64} 2>&1 \
       | quiet | grep "PROFILE\|Error" | tee -a "$LOG"
 fi

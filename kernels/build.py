@@ -73,6 +73,8 @@ def preset(name: str) -> list[dict]:
                  dict(tf32_round=True, exact_self=True, aqk_split=True))
     profile += [dict(cfg(h, h, 128), **opt) for h in (4, 16, 32) for opt in ({},) + precision]
     profile += [dict(cfg(4, 4, 128), exact_diag=True)]
+    # the forward intra launch's cp.async prefetch (profile_chunk --time / --train-launches, tests/test_stages.py)
+    profile += [dict(cfg(h, h, 128), intra_prefetch=True, save_states=s) for h in (16, 32) for s in (False, True)]
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
                     dict(intra_fast_diag=True), dict(intra_tc=True, intra_fast_diag=True),
@@ -86,6 +88,13 @@ def preset(name: str) -> list[dict]:
     # bench's largest head count, gradient accuracy (profile_chunk --grad-accuracy: B1 T256 H2)
     bwdexp = [dict(c, **o) for c in (cfg(32, 32, 128), cfg(2, 2, 128), cfg(2, 4, 128), cfg(2, 4, 128, varlen=True))
               for o in ({},) + bwd_variants]
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_prefetch=p, save_states=s)
+              for (vl, h, hv, k, v, l2, dt, gd, s) in (
+                  (False, 2, 4, 128, 128, False, "bfloat16", "float32", False),
+                  (True, 2, 4, 64, 128, True, "bfloat16", "float32", True),
+                  (False, 1, 1, 128, 64, False, "float16", "bfloat16", False),
+                  (False, 2, 2, 64, 64, True, "bfloat16", "bfloat16", True),
+                  (True, 1, 2, 128, 128, False, "float16", "float32", False)) for p in (False, True)]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
         dict(cfg(2, 4, 128), aqk_split=False), dict(cfg(2, 4, 128), exact_diag=True)]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,

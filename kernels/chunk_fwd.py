@@ -9,7 +9,9 @@ with within-chunk cumulative log-decay ``G_r = sum_{i<=r} g_i`` (fp32, base 2 in
     R = U - Y S0,    O = scale (q*exp(G)) S0 + Aqk R,    S1 = exp(G_C) * S0 + (k*exp(G_C - G))^T R
 
 Launch 1 ``gdn2_chunk_intra`` (grid: chunk slots x value heads, fully parallel; 256 threads, two blocks per SM,
-the channel axis walked in slices of 32) computes the cumulative decay, ``Aqk`` and ``T``, the solve, and stores ``Aqk``, ``Y``, ``U``, ``QG = scale*q*exp(G)``, ``KG = k*exp(G_C - G)``
+the channel axis walked in slices of 32, each slice's inputs fetched by cp.async while the previous one is
+computed: ``intra_prefetch``, the default since session 12) computes the cumulative decay, ``Aqk`` and ``T``,
+the solve, and stores ``Aqk``, ``Y``, ``U``, ``QG = scale*q*exp(G)``, ``KG = k*exp(G_C - G)``
 (input dtype) and ``GAM = exp(G_C)`` (fp32). Exponents are bounded where they are evaluated:
 
 * the 16x16 blocks of Aqk / T use TF32 tensor-core products anchored at a row a of the row sub-chunk [n, n+16):
@@ -35,7 +37,7 @@ Precision (bf16 inputs, fp64 oracle, spec §11 inputs B1 T512 H4, H200, v5): o R
 docs/performance-notes.md, session 4.
 """
 
-from . import registry
+from . import defaults, registry
 from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params, tf32_operand
 from ._pipeline import Buf, Launch, Pipeline
 
@@ -130,7 +132,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # launch 1: intra-chunk (cumsum, Aqk, T, solve, WY auxiliaries)
 # ----------------------------------------------------------------------------------------------------------------
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
-                exact_self=False, tf32_round=False, aqk_split=False, save_a=False):
+                exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (about 83 KB for K = V = 128) and
@@ -142,6 +144,16 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     the diagonal blocks as fp32 sums (thread = block, column s, group of rows). Then: store Aqk; invert the diagonal 16x16 blocks of I + T
     by forward substitution; ``A = (I - N + N^2 - N^3) D`` with TF32 products; ``Y = A (b k exp(G))`` and
     ``U = A (w v)`` with bf16/fp16 tensor-core products.
+
+    ``prefetch`` (the same arithmetic, bit-identical results): every input tile reaches shared memory by predicated
+    ``cp.async`` (16-byte copies; rows past the chunk's valid ones are zero-filled, never read), one slice ahead:
+    q and k of slice dc + 1 in the second of two buffers while slice dc is computed, its g and b as soon as slice
+    dc's are consumed (converted at the slice's start), and w, v right after the slice loop, so that the solve
+    hides their latency. (Every product is rounded where the launch without it rounds it: g * log2(e) is stored
+    before the cumulative sum, so no fused multiply-add can change a bit.) 110 KB of shared memory instead of 87
+    (still two blocks per SM), no register spills (92 bytes without it). Compiled without TileLang's bounds
+    checks (``tl.disable_safe_memory_legalize``): every global access is masked by the kernel itself (checked on
+    the generated CUDA by ``tests/test_tilelang_cpu.py::test_forward_intra_prefetch_masks_every_global_access_itself``).
     """
     import tilelang.language as T
 
@@ -164,11 +176,31 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     def tfr(x):  # TF32 operands rounded to nearest with ``tf32_round``, else truncated by the tensor core
         return tf32_operand(x, tf32_round)
 
+    def qkel(buf, cur, r, d):  # element (r, d) of q / k slice buffer ``cur`` (two buffers with ``prefetch``)
+        return buf[cur, r, d] if prefetch else buf[r, d]
+
+    def staged(buf, slot, r, c):  # element of a staging buffer: [slot, r, c] of a two-buffer one (slot >= 0)
+        return buf[r, c] if isinstance(slot, int) and slot < 0 else buf[slot, r, c]
+
+    EW16, EWG = 8, (4 if g_dtype == "float32" else 8)  # elements per 16-byte copy: 16-bit tiles, g
+
+    @T.macro
+    def cp_rows(dst, slot, src, bb, t0, hh, c0, valid, tx, width, ew):
+        # rows [0, C) x columns [c0, c0 + width) of src [B, T, heads, :] into dst: one 16-byte cp.async per
+        # (thread, step); rows >= valid zero-filled (the source is never read there)
+        for j in T.unroll(C * width // ew // TH):
+            T.ptx_cp_async(
+                T.access_ptr(staged(dst, slot, (tx + j * TH) // (width // ew), (tx + j * TH) % (width // ew) * ew),
+                             "w", ew),
+                T.access_ptr(src[bb, t0 + (tx + j * TH) // (width // ew), hh, c0 + (tx + j * TH) % (width // ew) * ew],
+                             "r", ew),
+                ew, predicate=(tx + j * TH) // (width // ew) < valid)
+
     sig, dims = _signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, varlen=varlen)
     B, Tn, NT, NP1 = dims["B"], dims["T"], dims["NT"], dims["NP1"]
 
     @T.macro
-    def anchored(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, Acc0, Acc1, Acc2, Acc3, Gc, qc, kc, bkc, fast):
+    def anchored(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, Acc0, Acc1, Acc2, Acc3, Gc, qc, kc, bkc, fast, cur):
         # rows [n, n+BC) of q (x scale) and b*k (n = ib*BC) against columns s < n + BC, as TF32 products anchored
         # at row a of the sub-chunk: (x_r 2^(G_r-G_a)) . (k_s 2^(G_a-G_s)). Exact path (fast == 0): a = n, only the
         # off-diagonal columns s < n (both exponents <= 0; the diagonal block is summed exactly below). Fast path:
@@ -176,30 +208,31 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
         # factors lie in 2^[-50, 50] (no overflow, no flush for |x| in 2^[-76, 78]). Entries above the diagonal can
         # be large (even inf) but are never read (anchored_store selects, never multiplies).
         for r, d in T.Parallel(2 * BC, DC):
-            QE0[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qc[r % BC, d], acc), bkc[r % BC, d])
+            QE0[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qkel(qc, cur, r % BC, d), acc), bkc[r % BC, d])
                             * T.exp2(Gc[r % BC, d] - Gc[fast * 8, d]))
-            QE1[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qc[BC + r % BC, d], acc), bkc[BC + r % BC, d])
+            QE1[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qkel(qc, cur, BC + r % BC, d), acc),
+                                           bkc[BC + r % BC, d])
                             * T.exp2(Gc[BC + r % BC, d] - Gc[BC + fast * 8, d]))
-            QE2[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qc[2 * BC + r % BC, d], acc),
+            QE2[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qkel(qc, cur, 2 * BC + r % BC, d), acc),
                                            bkc[2 * BC + r % BC, d])
                             * T.exp2(Gc[2 * BC + r % BC, d] - Gc[2 * BC + fast * 8, d]))
-            QE3[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qc[3 * BC + r % BC, d], acc),
+            QE3[r, d] = tfr(T.if_then_else(r < BC, scale * T.cast(qkel(qc, cur, 3 * BC + r % BC, d), acc),
                                            bkc[3 * BC + r % BC, d])
                             * T.exp2(Gc[3 * BC + r % BC, d] - Gc[3 * BC + fast * 8, d]))
         for s_, d in T.Parallel(C, DC):
-            Kc3[s_, d] = tfr(T.cast(kc[s_, d], acc) * T.if_then_else(
+            Kc3[s_, d] = tfr(T.cast(qkel(kc, cur, s_, d), acc) * T.if_then_else(
                 s_ < 3 * BC, T.exp2(T.min(Gc[3 * BC + fast * 8, d] - Gc[s_, d], 0.0)),
                 T.if_then_else(fast != 0, T.exp2(Gc[3 * BC + 8, d] - Gc[s_, d]), 0.0)))
-            Kc2[s_, d] = tfr(T.cast(kc[s_, d], acc) * T.if_then_else(
+            Kc2[s_, d] = tfr(T.cast(qkel(kc, cur, s_, d), acc) * T.if_then_else(
                 s_ < 2 * BC, T.exp2(T.min(Gc[2 * BC + fast * 8, d] - Gc[s_, d], 0.0)),
                 T.if_then_else(fast != 0, T.if_then_else(s_ < 3 * BC, T.exp2(Gc[2 * BC + 8, d] - Gc[s_, d]), 0.0),
                                0.0)))
             if s_ < 2 * BC:
-                Kc1[s_, d] = tfr(T.cast(kc[s_, d], acc) * T.if_then_else(
+                Kc1[s_, d] = tfr(T.cast(qkel(kc, cur, s_, d), acc) * T.if_then_else(
                     s_ < BC, T.exp2(T.min(Gc[BC + fast * 8, d] - Gc[s_, d], 0.0)),
                     T.if_then_else(fast != 0, T.exp2(Gc[BC + 8, d] - Gc[s_, d]), 0.0)))
                 Kc0[s_, d] = tfr(T.if_then_else(fast != 0, T.if_then_else(
-                    s_ < BC, T.cast(kc[s_, d], acc) * T.exp2(Gc[8, d] - Gc[s_, d]), 0.0), 0.0))
+                    s_ < BC, T.cast(qkel(kc, cur, s_, d), acc) * T.exp2(Gc[8, d] - Gc[s_, d]), 0.0), 0.0))
         T.gemm(QE0, Kc0, Acc0, transpose_B=True)
         T.gemm(QE1, Kc1, Acc1, transpose_B=True)
         T.gemm(QE2, Kc2, Acc2, transpose_B=True)
@@ -226,7 +259,13 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
 
             # (buffers of one shape allocated together, in the order the shared-memory layout was measured with)
             Gc = T.alloc_shared((C, DC + PADF), acc)
-            qc, kc = (T.alloc_shared((C, DC + PADB), dtype) for _ in range(2))
+            if prefetch:  # q, k slices in two buffers each; g, b, w staged as loaded (v staged in Zs)
+                qc, kc = (T.alloc_shared((2, C, DC + PADB), dtype) for _ in range(2))
+                gS = T.alloc_shared((C, DC), g_dtype)
+                bS = T.alloc_shared((C, DC), dtype)
+                wS = T.alloc_shared((C, V), dtype)
+            else:
+                qc, kc = (T.alloc_shared((C, DC + PADB), dtype) for _ in range(2))
             bkc = T.alloc_shared((C, DC + PADF), acc)
             tot = T.alloc_shared((NSEG, DC), acc)
             nq, nk = (T.alloc_shared((C,), acc) for _ in range(2))
@@ -280,26 +319,53 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                 for i in T.unroll(RPG):
                     aq[i] = 0.0
                     at[i] = 0.0
+                if prefetch:
+                    cp_rows(gS, -1, g, bb, t0, hv, 0, valid, tx, DC, EWG)
+                    cp_rows(bS, -1, b, bb, t0, hv, 0, valid, tx, DC, EW16)
+                    cp_rows(qc, 0, q, bb, t0, hq, 0, valid, tx, DC, EW16)
+                    cp_rows(kc, 0, k, bb, t0, hq, 0, valid, tx, DC, EW16)
+                    T.ptx_commit_group()
                 for dc in T.serial(NDC):
-                    # ---- load the channel slice (rows >= valid are zero) ----
-                    for r, d in T.Parallel(C, DC):
-                        Gc[r, d] = T.if_then_else(r < valid, T.cast(g[bb, t0 + r, hv, dc * DC + d], acc), 0.0) * LOG2E
-                        if l2norm:
-                            qc[r, d] = T.if_then_else(
-                                r < valid, T.cast(T.cast(q[bb, t0 + r, hq, dc * DC + d], acc) * nq[r], dtype),
-                                T.cast(0, dtype))
-                            kc[r, d] = T.if_then_else(
-                                r < valid, T.cast(T.cast(k[bb, t0 + r, hq, dc * DC + d], acc) * nk[r], dtype),
-                                T.cast(0, dtype))
-                            bkc[r, d] = T.if_then_else(
-                                r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(T.cast(
-                                    T.cast(k[bb, t0 + r, hq, dc * DC + d], acc) * nk[r], dtype), acc), 0.0)
-                        else:
-                            qc[r, d] = T.if_then_else(r < valid, q[bb, t0 + r, hq, dc * DC + d], T.cast(0, dtype))
-                            kc[r, d] = T.if_then_else(r < valid, k[bb, t0 + r, hq, dc * DC + d], T.cast(0, dtype))
-                            bkc[r, d] = T.if_then_else(
-                                r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(
-                                    k[bb, t0 + r, hq, dc * DC + d], acc), 0.0)
+                    cur = dc % 2 if prefetch else 0
+                    if prefetch:
+                        # ---- slice dc has arrived (rows >= valid zero-filled); slice dc + 1's q, k go out ----
+                        T.ptx_wait_group(0)
+                        T.sync_threads()
+                        if dc + 1 < NDC:
+                            cp_rows(qc, 1 - cur, q, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
+                            cp_rows(kc, 1 - cur, k, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
+                            T.ptx_commit_group()
+                        for r, d in T.Parallel(C, DC):
+                            Gc[r, d] = T.cast(gS[r, d], acc) * LOG2E  # (stored before the sum, as below)
+                            if l2norm:
+                                qc[cur, r, d] = T.cast(T.cast(qc[cur, r, d], acc) * nq[r], dtype)
+                                kc[cur, r, d] = T.cast(T.cast(kc[cur, r, d], acc) * nk[r], dtype)
+                            bkc[r, d] = T.cast(bS[r, d], acc) * T.cast(kc[cur, r, d], acc)
+                        if dc + 1 < NDC:  # slice dc's g and b are consumed: slice dc + 1's go out
+                            cp_rows(gS, -1, g, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EWG)
+                            cp_rows(bS, -1, b, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EW16)
+                            T.ptx_commit_group()
+                    else:
+                        # ---- load the channel slice (rows >= valid are zero) ----
+                        for r, d in T.Parallel(C, DC):
+                            Gc[r, d] = T.if_then_else(
+                                r < valid, T.cast(g[bb, t0 + r, hv, dc * DC + d], acc), 0.0) * LOG2E
+                            if l2norm:
+                                qc[r, d] = T.if_then_else(
+                                    r < valid, T.cast(T.cast(q[bb, t0 + r, hq, dc * DC + d], acc) * nq[r], dtype),
+                                    T.cast(0, dtype))
+                                kc[r, d] = T.if_then_else(
+                                    r < valid, T.cast(T.cast(k[bb, t0 + r, hq, dc * DC + d], acc) * nk[r], dtype),
+                                    T.cast(0, dtype))
+                                bkc[r, d] = T.if_then_else(
+                                    r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(T.cast(
+                                        T.cast(k[bb, t0 + r, hq, dc * DC + d], acc) * nk[r], dtype), acc), 0.0)
+                            else:
+                                qc[r, d] = T.if_then_else(r < valid, q[bb, t0 + r, hq, dc * DC + d], T.cast(0, dtype))
+                                kc[r, d] = T.if_then_else(r < valid, k[bb, t0 + r, hq, dc * DC + d], T.cast(0, dtype))
+                                bkc[r, d] = T.if_then_else(
+                                    r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(
+                                        k[bb, t0 + r, hq, dc * DC + d], acc), 0.0)
                     # ---- cumulative sum of the slice: segment prefix, then segment offsets ----
                     csum = 0.0
                     for r in T.serial(SEG):
@@ -317,9 +383,9 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                         Ebs[r, dc * DC + d] = T.cast(bkc[r, d] * T.exp2(Gc[r, d]), dtype)
                         if r < valid:
                             QG[bb, t0 + r, hv, dc * DC + d] = T.cast(
-                                scale * T.cast(qc[r, d], acc) * T.exp2(Gc[r, d]), dtype)
+                                scale * T.cast(qkel(qc, cur, r, d), acc) * T.exp2(Gc[r, d]), dtype)
                             KG[bb, t0 + r, hv, dc * DC + d] = T.cast(
-                                T.cast(kc[r, d], acc) * T.exp2(Gc[C - 1, d] - Gc[r, d]), dtype)
+                                T.cast(qkel(kc, cur, r, d), acc) * T.exp2(Gc[C - 1, d] - Gc[r, d]), dtype)
                     for d in T.Parallel(DC):
                         GAM[bb, slot, hv, dc * DC + d] = T.exp2(Gc[C - 1, d])
                     # ---- fast path for this slice: every |G_r - G_(n+8)| <= DIAG_HALF_RANGE in every sub-chunk ----
@@ -332,23 +398,29 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     if exact_self:  # q_r . k_r of the slice in fp32 (the undecayed self term; thread = row)
                         if tx < C:
                             for dd in T.unroll(DC):
-                                sdot = sdot + T.cast(qc[tx, dd], acc) * T.cast(kc[tx, dd], acc)
+                                sdot = sdot + T.cast(qkel(qc, cur, tx, dd), acc) * T.cast(
+                                    qkel(kc, cur, tx, dd), acc)
                     # ---- anchored TF32 products: off-diagonal blocks, and the diagonal blocks when fast ----
-                    anchored(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, Acc0, Acc1, Acc2, Acc3, Gc, qc, kc, bkc, fast)
+                    anchored(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, Acc0, Acc1, Acc2, Acc3, Gc, qc, kc, bkc, fast, cur)
                     # ---- otherwise exact diagonal blocks: thread = (block, column s, group of rows) ----
                     if fast == 0:
                         if (tx % (BC * RG)) // BC * RPG + RPG - 1 >= tx % BC:
                             for dd in T.unroll(DC):
-                                kkv = T.cast(kc[(tx // (BC * RG)) * BC + tx % BC, dd], acc)
+                                kkv = T.cast(qkel(kc, cur, (tx // (BC * RG)) * BC + tx % BC, dd), acc)
                                 for i in T.unroll(RPG):
                                     gmv = kkv * T.exp2(T.min(
                                         Gc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, dd]
                                         - Gc[(tx // (BC * RG)) * BC + tx % BC, dd], 0.0))
-                                    aq[i] = aq[i] + T.cast(
-                                        qc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, dd], acc) * gmv
+                                    aq[i] = aq[i] + T.cast(qkel(
+                                        qc, cur, (tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, dd),
+                                        acc) * gmv
                                     at[i] = at[i] + bkc[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i,
                                                         dd] * gmv
 
+                if prefetch:  # w and v (into Zs) for U, hidden by the solve
+                    cp_rows(wS, -1, w, bb, t0, hv, 0, valid, tx, V, EW16)
+                    cp_rows(Zs, -1, v, bb, t0, hv, 0, valid, tx, V, EW16)
+                    T.ptx_commit_group()
                 # ---- assemble Aqk and T ----
                 for r, c in T.Parallel(C, C):
                     if c // BC > r // BC:
@@ -409,9 +481,16 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             Akk[bb, t0 + r, hv, c] = Nf[r, c]
 
                 # ---- WY auxiliaries ----
-                for r, e in T.Parallel(C, V):
-                    Zs[r, e] = T.cast(T.if_then_else(
-                        r < valid, T.cast(w[bb, t0 + r, hv, e], acc) * T.cast(v[bb, t0 + r, hv, e], acc), 0.0), dtype)
+                if prefetch:
+                    T.ptx_wait_group(0)
+                    T.sync_threads()
+                    for r, e in T.Parallel(C, V):
+                        Zs[r, e] = T.cast(T.cast(wS[r, e], acc) * T.cast(Zs[r, e], acc), dtype)
+                else:
+                    for r, e in T.Parallel(C, V):
+                        Zs[r, e] = T.cast(T.if_then_else(
+                            r < valid, T.cast(w[bb, t0 + r, hv, e], acc) * T.cast(v[bb, t0 + r, hv, e], acc), 0.0),
+                            dtype)
                 T.gemm(As, Ebs, Yf, clear_accum=True)
                 T.gemm(As, Zs, Uf, clear_accum=True)
                 for r, d in T.Parallel(C, K):
@@ -530,7 +609,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        block_v: int | None = None, stages: int = 2, intra_threads: int = 256,
                        intra_min_blocks: int = 2, exact_diag: bool = False, exact_self: bool = False,
-                       tf32_round: bool = False, aqk_split: bool = True, save_states: bool = False) -> Pipeline:
+                       tf32_round: bool = False, aqk_split: bool = True, save_states: bool = False,
+                       intra_prefetch: bool | None = None) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -548,12 +628,19 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``aqk_split`` (default on since session 5: Aqk stored as bf16 + its bf16 rounding residual ``AqkL``, a second
     scratch buffer ``[B,T,HV,64]``, and used as two products in launch 2; o's RMS ratio vs fp64 on the spec case
     2.87-2.95e-3 instead of 3.21-3.31e-3, for ~3% more time; off reproduces kernel v5).
+    ``intra_prefetch`` (default from ``kernels.defaults.FORWARD``): launch 1 loads its input tiles by predicated
+    ``cp.async`` one channel slice ahead, without TileLang's bounds checks (the same arithmetic: bit-identical
+    results; see ``_intra_prim``).
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_fwd_pipeline"
+    if intra_prefetch is None:
+        intra_prefetch = defaults.FORWARD["intra_prefetch"]
+    if not isinstance(intra_prefetch, bool):
+        raise ValueError(f"{fn}: intra_prefetch must be a bool, got {intra_prefetch!r}")
     registry.get("chunk_gdn2").support.check(fn, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale)
     scale = float(scale)
     BV = min(V, 16 if HV < 32 else 32) if block_v is None else int(block_v)
@@ -585,11 +672,13 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     kw1.update(threads=int(intra_threads), min_blocks=int(intra_min_blocks), exact_diag=bool(exact_diag))
     # (precision options enter the key only when on: the kernels without them keep v5's key and code)
     kw1.update({n: True for n, on in (("exact_self", exact_self), ("tf32_round", tf32_round),
-                                      ("aqk_split", aqk_split), ("save_a", save_states)) if on})
+                                      ("aqk_split", aqk_split), ("save_a", save_states),
+                                      ("prefetch", intra_prefetch)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),
         build=lambda: _intra_prim(**kw1),
+        pass_configs=(("tl.disable_safe_memory_legalize", True),) if intra_prefetch else (),
         args=("q", "k", "v", "g", "b", "w") + (("cu_seqlens",) if varlen else ()) + sc
         + (("Akk",) if save_states else ()),
     )

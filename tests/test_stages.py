@@ -491,6 +491,59 @@ def test_gpu_intra_fast_diagonal_path_matches_exact_path(gdist):
             assert 0.0 < r <= 2e-3 if n in ("Aqk", "Y", "U") else r <= 2e-3, (n, r)
 
 
+_PREFETCH_CASES = [  # varlen cu_seqlens or None, B, T, H, HV, K, V, l2norm, dtype, g dtype, save_states, gates
+    (None, 2, 300, 2, 4, 128, 128, False, "bfloat16", "float32", False, "spec"),
+    ([0, 0, 70, 200, 201], 1, 201, 2, 4, 64, 128, True, "bfloat16", "float32", True, "mixed"),
+    (None, 1, 1, 1, 1, 128, 64, False, "float16", "bfloat16", False, "swept"),
+    (None, 3, 100, 2, 2, 64, 64, True, "bfloat16", "bfloat16", True, "swept"),
+    ([0, 64, 64, 129], 1, 129, 1, 2, 128, 128, False, "float16", "float32", False, "spec"),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
+def test_gpu_intra_prefetch_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
+    """Launch 1 with ``intra_prefetch`` (inputs by predicated cp.async one slice ahead, no TileLang bounds checks)
+    does the default launch's arithmetic: every scratch buffer it writes is bit-identical to the default's, on
+    identical inputs, with the same sentinel in every buffer beforehand (so unwritten elements agree too, and a
+    write past a chunk's valid rows would show), over dense and packed sequences (an empty one, one of a single
+    token, a chunk-aligned one), GVA, the in-kernel L2 norm, K / V of 64 and 128, fp16, bf16 g, T = 1 and the
+    training forward's ``Akk``; two runs of the prefetch launch are bit-identical."""
+    import torch
+
+    from kernels import _compile, registry
+
+    x = _gpu_inputs(41 + T, B, T, H, HV, K_, V_, l2, gdist)
+    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype=dtype, g_dtype=g_dtype, scale=K_ ** -0.5,
+                          use_initial_state=True, output_final_state=True, varlen=cu is not None, use_qk_l2norm=l2)
+    tdt = getattr(torch, dtype)
+    t = {n: _torch(x[n]).to(tdt) for n in ("q", "k", "v", "b", "w")}
+    t["g"] = _torch(x["g"]).to(getattr(torch, g_dtype))
+    if cu is not None:
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    arch = _compile.device_arch(0)
+    got = []
+    for pre in (False, True, True):
+        pipe = registry.get("chunk_gdn2").pipeline(**cfg, save_states=save, intra_prefetch=pre)
+        la = pipe.launches[0]
+        assert la.name == "gdn2_chunk_intra" and (("prefetch", True) in la.key) == pre
+        shapes = pipe.buffer_shapes({n: tuple(a.shape) for n, a in t.items()})
+        dts = {b.name: b.dtype for b in pipe.scratch}
+        bufs = dict(t)
+        for n in la.args:
+            if n not in bufs:
+                bufs[n] = torch.full(shapes[n], 7.25, dtype=getattr(torch, dts[n]), device="cuda")
+        _compile.get_function(la, arch)(*[bufs[a] for a in la.args])
+        torch.cuda.synchronize()
+        got.append({n: bufs[n] for n in la.args if n not in t})
+    assert sorted(got[0]) == sorted(got[1])
+    for n in got[0]:
+        a, b, c = (g[n].view(torch.int16 if g[n].element_size() == 2 else torch.int32) for g in got)
+        assert torch.equal(a, b), (n, int((a != b).sum()))
+        assert torch.equal(b, c), n
+    assert bool(torch.isfinite(got[1]["Y"].float()).all())  # (the default wrote finite values at all)
+
+
 @pytest.mark.cuda
 def test_gpu_intra_aqk_split_residual_vs_twin():
     """With ``aqk_split`` (the default) launch 1 also stores Aqk's bf16 rounding residual (``AqkL``): Aqk itself is

@@ -189,21 +189,25 @@ def _row_mask(cond: str) -> bool:
     return bool(re.search(r"(<|==) \(?valid", cond)) and re.sub(r"[()\s]", "", cond) != "0<valid"
 
 
-def _unmasked_global_accesses(src: str) -> list[str]:
+def _unmasked_global_accesses(src: str, exempt: tuple = ()) -> list[str]:
     """The global-buffer accesses of the CUDA ``src`` of a ``main_kernel`` that are not inside an ``if`` on a row
     bound (a condition comparing an expression of the thread index or a loop variable with ``valid``; the
-    chunk-level ``0 < valid`` does not count); ``cu_seqlens`` (read by ``locate_chunk`` at indices its search keeps
-    in range) is not counted. Lexical: it does not follow pointers derived from a global buffer (TileLang's CUDA
-    indexes the parameters directly) or check that the mask's row term is the address's."""
+    chunk-level ``0 < valid`` does not count) and are not a ``cp.async`` whose predicate is such a bound (its
+    source is not read when the predicate is false); ``cu_seqlens`` (read by ``locate_chunk`` at indices its
+    search keeps in range) and the buffers in ``exempt`` are not counted. Lexical: it does not follow pointers
+    derived from a global buffer (TileLang's CUDA indexes the parameters directly) or check that the mask's row
+    term is the address's."""
     head = re.search(r"__launch_bounds__[^(]*\([^)]*\) main_kernel\((.*?)\) \{", src, re.S)
-    names = [n for n in re.findall(r"\*\s*__restrict__\s+(\w+)", head.group(1)) if n != "cu_seqlens"]
+    names = [n for n in re.findall(r"\*\s*__restrict__\s+(\w+)", head.group(1))
+             if n != "cu_seqlens" and n not in exempt]
     body = src[head.end():]
     stack, bad = [], []
     for line in body.splitlines():
         s = line.strip()
+        cp = re.match(r"tl::cp_async_gs_conditional<\d+>\(.*, (\(.*\))\);$", s)
         for n in names:
             if re.search(r"(?<![\w.])%s\s*(\[|\+)" % n, s):
-                if not any(_row_mask(c) for c in stack):
+                if not any(_row_mask(c) for c in stack) and not (cp and _row_mask(cp.group(1))):
                     bad.append(s[:120])
         if s.endswith("{"):
             m = re.match(r"(?:\} else )?if \((.*)\) \{$", s)
@@ -242,6 +246,40 @@ def test_backward_intra_masks_every_global_access_itself(varlen, HV, KV, g_dtype
     for fake in (src.replace(mask, "if (1) {"), src.replace(mask, "if ((0 < valid)) {"),
                  src.replace(mask, "if (valid > 0) {")):
         assert _unmasked_global_accesses(fake)
+
+
+@needs_tilelang
+@pytest.mark.slow
+@pytest.mark.parametrize("varlen,HV,KV,g_dtype,opts", [
+    (False, 4, 128, "float32", {}), (True, 4, 128, "float32", dict(use_qk_l2norm=True)),
+    (True, 2, 64, "bfloat16", dict(save_states=True))])
+def test_forward_intra_prefetch_masks_every_global_access_itself(varlen, HV, KV, g_dtype, opts):
+    """The forward intra launch with ``intra_prefetch`` is compiled without TileLang's bounds checks: its inputs
+    arrive by predicated ``cp.async`` (predicate: the row is valid) and every other global access sits under a row
+    mask; ``GAM`` (one row per chunk slot, in range for every block) is the only exception."""
+    import tilelang
+
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    kw = dict(H=2, HV=HV, K=KV, V=KV, dtype="bfloat16", g_dtype=g_dtype, scale=KV ** -0.5, use_initial_state=True,
+              output_final_state=True, varlen=varlen, use_qk_l2norm=False)
+    kw.update(opts)
+    intra = chunk_fwd_pipeline(**kw, intra_prefetch=True).launches[0]
+    assert intra.name == "gdn2_chunk_intra" and dict(intra.key[2:])["prefetch"] is True
+    assert dict(intra.pass_configs) == {"tl.disable_safe_memory_legalize": True}
+    plain = chunk_fwd_pipeline(**kw, intra_prefetch=False).launches[0]  # (without it: the checks, v5's key)
+    assert plain.pass_configs == () and "prefetch" not in dict(plain.key[2:])
+    with pytest.raises(ValueError, match="intra_prefetch must be a bool"):
+        chunk_fwd_pipeline(**kw, intra_prefetch=1)
+    src = tilelang.compile(intra.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                           pass_configs=dict(intra.pass_configs)).get_kernel_source()
+    assert src.count("cp_async_gs_conditional") >= 6 and ("Y[" in src or "(Y +" in src)
+    assert _unmasked_global_accesses(src, exempt=("GAM",)) == []
+    # the check itself: a copy whose predicate is not a row bound, or a store without its row mask, is caught
+    cp = next(l for l in src.splitlines() if "cp_async_gs_conditional" in l and "(&(q[" in l)
+    pred = re.match(r".*, (\(.*\))\);$", cp.strip()).group(1)
+    assert _unmasked_global_accesses(src.replace(cp, cp.replace(pred, "(0 < valid)")), exempt=("GAM",))
+    assert _unmasked_global_accesses(src)  # (GAM counts unless exempt)
 
 
 def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
