@@ -27,8 +27,8 @@ import os
 
 VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v": 64},
             "exact_self": {"exact_self": True}, "tf32_round": {"tf32_round": True}, "v5": {"aqk_split": False},
-            "precise": {"tf32_round": True, "exact_self": True}, "prefetch": {"intra_prefetch": True},
-            "no_prefetch": {"intra_prefetch": False}}
+            "precise": {"tf32_round": True, "exact_self": True},
+            "no_prefetch": {"intra_prefetch": False}}  # (prefetch: the default, kernels.defaults.FORWARD)
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
@@ -88,16 +88,19 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
     "fast_diag": dict(kernel_backward=True, options={"intra_fast_diag": True}),
     "split_ds": dict(kernel_backward=True, options={"split_ds": True}),
     "no_split_ds": dict(kernel_backward=True, options={"split_ds": False}),
-    "wy_round": dict(kernel_backward=True, options={"wy_load": "sync", "wy_tf32_round": True})}
+    "wy_round": dict(kernel_backward=True, options={"wy_load": "sync", "wy_tf32_round": True}),
+    "no_cast": dict(kernel_backward=True, options={"cast_grads": False})}
 
+# training-forward variants timed by --train-launches beside the default (kernels.defaults.FORWARD: prefetch on)
+FWD_LAUNCH_VARIANTS = {"nopre:": dict(intra_prefetch=False)}
 # the backward variants that ``--train-launches`` times beside the default (tag -> chunk_bwd_pipeline options)
-FWD_LAUNCH_VARIANTS = {"pre:": dict(intra_prefetch=True)}  # training-forward variants timed by --train-launches
 BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "fd": dict(intra_fast_diag=True),
                        "tcfd": dict(intra_tc=True, intra_fast_diag=True),
                        "sync256": dict(wy_load="sync", wy_threads=256), "async": dict(wy_load="async", wy_threads=256),
                        "tma": dict(wy_load="tma", wy_threads=256),
                        "sync512": dict(wy_load="sync", wy_threads=512),
-                       "async512": dict(wy_load="async", wy_threads=512), "nosplit": dict(split_ds=False)}
+                       "async512": dict(wy_load="async", wy_threads=512), "nosplit": dict(split_ds=False),
+                       "nocast": dict(cast_grads=False)}
 
 
 def grad_accuracy(variants, seeds=(77, 1, 2), shape=(1, 256, 2)):
@@ -167,7 +170,8 @@ TRAIN_VARIANTS = {  # name -> _switches of the training step
     "factored": dict(kernel_backward=False, factored=True, levels=1),
     "kernel": dict(kernel_backward=True, factored=True, levels=1),
     "kernel_jnp": dict(kernel_backward=True, factored=True, levels=1, options={"local_bwd": False}),
-    "kernel_l2": dict(kernel_backward=True, factored=True, levels=2, options={"local_bwd": False})}
+    "kernel_l2": dict(kernel_backward=True, factored=True, levels=2, options={"local_bwd": False}),
+    "kernel_nocast": dict(kernel_backward=True, factored=True, levels=1, options={"cast_grads": False})}
 
 
 def _kernel_totals(fn, top=16):

@@ -300,8 +300,9 @@ def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple):
 
     Residuals: the inputs, the forward's scratch that the backward kernels read (Aqk (+ AqkL), Y, QG, KG, GAM and
     the solve Akk) and the chunk start states ``h`` and ``v_new`` (fp32). The backward kernels
-    (``kernels/chunk_bwd.py``) give dq, dk per value head, db, dg, dv, dw and dh0 in fp32; jnp sums the GVA groups,
-    applies the L2 norm's backward and casts. Under ``jax.vmap`` the training custom calls run once per mapped
+    (``kernels/chunk_bwd.py``) give dq, dk per value head, db, dg, dv, dw and dh0, each in its input's dtype
+    where no jnp step follows (option ``cast_grads``, default on), else in fp32; jnp sums the GVA groups, applies
+    the L2 norm's backward and casts what is still fp32. Under ``jax.vmap`` the training custom calls run once per mapped
     problem (``vmap_method="sequential"``, not folded into the kernels' batch as the inference path is).
     """
     from .xla import chunk as xla_chunk

@@ -15,13 +15,17 @@ LOG2E = 1.4426950408889634
 L2NORM_EPS = 1e-6
 
 
-def drop_params(func, keep):
+def drop_params(func, keep, order=()):
     """Copy of the prim_func ``func`` with only the parameters whose buffer names are in ``keep``, in order.
 
     Lets a factory write one kernel with every optional buffer (initial state, cu_seqlens, final state) as a
     parameter and drop the ones a variant does not use; a dropped buffer must not be referenced by the body.
+    ``order``: buffer names moved, in this order, behind the other kept parameters (a variant whose outputs
+    change must still list what it reads before what it writes: ``_pipeline.launch_io``'s parameter-order rule).
     """
     params = [p for p in func.params if func.buffer_map[p].name in keep]
+    rank = {n: i for i, n in enumerate(order)}
+    params.sort(key=lambda p: rank.get(func.buffer_map[p].name, -1))  # (stable: the rest keep their order first)
     return type(func)(params, func.body, func.ret_type, {p: func.buffer_map[p] for p in params}, func.attrs)
 
 

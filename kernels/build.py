@@ -73,15 +73,17 @@ def preset(name: str) -> list[dict]:
                  dict(tf32_round=True, exact_self=True, aqk_split=True))
     profile += [dict(cfg(h, h, 128), **opt) for h in (4, 16, 32) for opt in ({},) + precision]
     profile += [dict(cfg(4, 4, 128), exact_diag=True)]
-    # the forward intra launch's cp.async prefetch (profile_chunk --time / --train-launches, tests/test_stages.py)
-    profile += [dict(cfg(h, h, 128), intra_prefetch=True, save_states=s) for h in (16, 32) for s in (False, True)]
+    # the forward intra launch without its cp.async prefetch (the default, kernels.defaults.FORWARD): the
+    # "before" of profile_chunk --time / --train-launches
+    profile += [dict(cfg(h, h, 128), intra_prefetch=False, save_states=s) for h in (16, 32) for s in (False, True)]
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
                     dict(intra_fast_diag=True), dict(intra_tc=True, intra_fast_diag=True),
                     dict(wy_load="async", wy_threads=256),
                     dict(wy_load="async", wy_threads=512), dict(wy_load="tma", wy_threads=256),
                     dict(wy_load="sync", wy_threads=256), dict(wy_load="sync", wy_threads=512),
-                    dict(wy_load="sync", wy_threads=256, wy_tf32_round=True), dict(split_ds=False))
+                    dict(wy_load="sync", wy_threads=256, wy_tf32_round=True), dict(split_ds=False),
+                    dict(cast_grads=False))
     bench += [dict(cfg(32, 32, 128), **o) for o in bwd_variants]
     tests += [dict(cfg(2, 4, 128, varlen=v), **o) for v in (False, True) for o in bwd_variants]
     # the backward variants (with the training kernels of their configurations): stage tests, launch times at the
@@ -95,6 +97,10 @@ def preset(name: str) -> list[dict]:
                   (False, 1, 1, 128, 64, False, "float16", "bfloat16", False),
                   (False, 2, 2, 64, 64, True, "bfloat16", "bfloat16", True),
                   (True, 1, 2, 128, 128, False, "float16", "float32", False)) for p in (False, True)]
+    # fp32 against input-dtype gradients (tests/test_stages.py: cast_grads bit-identical to casting afterwards)
+    casts = [cfg(2, 2, 128), cfg(2, 4, 128, varlen=True), cfg(2, 2, 64, 128, l2=True, g_dtype="bfloat16"),
+             cfg(1, 1, 128, 64, dtype="float16")]
+    tests += casts + [dict(c, cast_grads=False) for c in casts]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
         dict(cfg(2, 4, 128), aqk_split=False), dict(cfg(2, 4, 128), exact_diag=True)]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,

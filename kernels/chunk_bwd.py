@@ -144,8 +144,10 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
 # ----------------------------------------------------------------------------------------------------------------
 # chunk-parallel backward: the WY/state part (gdn2_chunk_bwd_wy) and the intra-chunk part (gdn2_chunk_bwd_intra)
 # ----------------------------------------------------------------------------------------------------------------
-def _local_signature(*, H, HV, K, V, dtype, g_dtype):
-    """Buffer types of the two chunk-parallel backward launches (one ``T.Tensor`` per parameter)."""
+def _local_signature(*, H, HV, K, V, dtype, g_dtype, cast_dvw=False):
+    """Buffer types of the two chunk-parallel backward launches (one ``T.Tensor`` per parameter): the fp32
+    gradients and partials, and ``dqo, dko, dbo, dgo``, the intra launch's final gradients in their inputs'
+    dtypes (option ``cast_grads``). ``cast_dvw``: dv, dw in the input dtype."""
     import tilelang.language as T
 
     C = CHUNK
@@ -156,11 +158,14 @@ def _local_signature(*, H, HV, K, V, dtype, g_dtype):
                w=tok(V, dtype), Akk=tok(C), h=T.Tensor((B, NT, HV, K, V), acc), v_new=tok(V),
                dh=T.Tensor((B, NT, HV, K, V), acc), dv_new=tok(V), do=tok(V, dtype),
                cu_seqlens=T.Tensor((NP1,), "int32"), dq=tok(K), dk=tok(K), db=tok(K), dg=tok(K), dAqk=tok(C),
-               dT=tok(C), dgc=T.Tensor((B, NT, HV, K), acc), dv=tok(V), dw=tok(V))
+               dT=tok(C), dgc=T.Tensor((B, NT, HV, K), acc), dv=tok(V, dtype if cast_dvw else acc),
+               dw=tok(V, dtype if cast_dvw else acc), dqo=tok(K, dtype), dko=tok(K, dtype), dbo=tok(K, dtype),
+               dgo=tok(K, g_dtype))
     return sig, (B, Tn, NT, NP1)
 
 
-def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, threads=256, tf32_round=False):
+def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, threads=256, tf32_round=False,
+                 cast_dvw=False):
     """Launch ``gdn2_chunk_bwd_wy`` (one block of ``threads`` per chunk slot and value head; xla twin: the
     output-stage shares ``chunk_o.o_bwd_local``, ``chunk_delta_h.state_bwd_parallel``, ``wy_fast.wy_bwd`` and
     ``chunk_intra.solve_bwd``). Walks V in blocks of BV for the products over V (fp32 operands, TF32 tensor cores,
@@ -186,7 +191,8 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
     reach rows and columns of dY, dKG, dAq and dA that are masked or multiplied by zero rows of A^T (A is
     lower-triangular within the chunk's valid rows).
     ``tf32_round`` (``stages = 1`` only): every TF32 operand is rounded to nearest in shared memory
-    (``_common.tf32_operand``).
+    (``_common.tf32_operand``). ``cast_dvw`` (option ``cast_grads``): dv and dw are stored in the input dtype,
+    rounded to nearest from the same fp32 values (bit-identical to casting the fp32 outputs afterwards).
     """
     import tilelang.language as T
 
@@ -198,7 +204,8 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
     if tf32_round and stages > 1:
         raise ValueError("_wy_bwd_prim: tf32_round needs stages=1")
     rn = lambda x: tf32_operand(x, tf32_round)  # noqa: E731
-    sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype)
+    sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, cast_dvw=cast_dvw)
+    out = (lambda x: T.cast(x, dtype)) if cast_dvw else (lambda x: x)  # noqa: E731
 
     @T.prim_func
     def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"], Akk: sig["Akk"],
@@ -280,10 +287,10 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
                     T.gemm(AT, dRs, dZ, clear_accum=True)        # A^T dR
                     for r, e in T.Parallel(C, BV):  # w, v: the pipeline's copies, else from global memory
                         if r < valid:
-                            dv[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(
-                                wb[r, e] if stages > 1 else w[bb, t0 + r, hv, vb * BV + e], acc)
-                            dw[bb, t0 + r, hv, vb * BV + e] = dZ[r, e] * T.cast(
-                                vb_[r, e] if stages > 1 else v[bb, t0 + r, hv, vb * BV + e], acc)
+                            dv[bb, t0 + r, hv, vb * BV + e] = out(dZ[r, e] * T.cast(
+                                wb[r, e] if stages > 1 else w[bb, t0 + r, hv, vb * BV + e], acc))
+                            dw[bb, t0 + r, hv, vb * BV + e] = out(dZ[r, e] * T.cast(
+                                vb_[r, e] if stages > 1 else v[bb, t0 + r, hv, vb * BV + e], acc))
                     if tx < K:  # sum_e dS * S0 of row tx (columns visited in a rotated order: no bank conflicts)
                         csum = 0.0
                         for e in T.serial(BV):
@@ -518,7 +525,18 @@ def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, reg_diag=False):
     return drop_params(main, keep)
 
 
-def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, tc=False, fast_diag=False):
+def intra_grad_order(cast=()) -> tuple:
+    """Parameter order of the intra launch's gradient buffers for option ``cast_grads`` (``cast``: the gradients
+    among dq, dk, db, dg stored in their inputs' dtypes): the fp32 partials of the cast ones (read only), their
+    final outputs ``dqo, ...`` (new buffers), then the gradients updated in place. ``_pipeline.launch_io`` takes
+    every parameter before the first new buffer as read only, so an in-place gradient must come after it (else
+    XLA, seeing a read, may schedule its consumers before the launch that updates it)."""
+    names = ("dq", "dk", "db", "dg")
+    return (tuple(n for n in names if n in cast) + tuple(n + "o" for n in names if n in cast)
+            + tuple(n for n in names if n not in cast))
+
+
+def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, tc=False, fast_diag=False, cast=()):
     """Launch ``gdn2_chunk_bwd_intra``, version 2 (the default, option ``intra_v2``): the same sums as
     :func:`_intra_bwd_prim` with one block of 128 threads per chunk slot, value head and channel slice of DC = 32
     (grid ``NT * B * K/32`` by HV, three blocks per SM), every sum in fp32 registers. The chunk's dAqk and dT and
@@ -544,6 +562,11 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, tc=False, fas
     does not increase (block-uniform, ``__syncthreads_or``), the diagonal block is summed through the factors
     2^(G_r - G_a) and 2^(G_a - G_s) (32 exponents per thread instead of 136); otherwise exactly.
 
+    ``cast`` (option ``cast_grads``): the gradients among ``dq, dk, db, dg`` whose final values are stored in their
+    inputs' dtypes (q, k, b: ``dtype``; g: ``g_dtype``), rounded to nearest from the same fp32 sums (bit-identical
+    to casting fp32 outputs afterwards), into the separate outputs ``dqo, dko, dbo, dgo``; the others are
+    updated in place in fp32.
+
     Every global load and store is masked by the chunk's valid rows in the kernel itself, so the launch is compiled
     with TileLang's bounds checks off (``tl.disable_safe_memory_legalize``; checked on the generated CUDA by
     ``tests/test_tilelang_cpu.py::test_backward_intra_masks_every_global_access_itself``).
@@ -561,6 +584,9 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, tc=False, fas
     grp = HV // H
     scale = float(scale)
     sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=K, dtype=dtype, g_dtype=g_dtype)
+    if set(cast) - {"dq", "dk", "db", "dg"}:
+        raise ValueError(f"_intra_bwd_v2_prim: cast={cast!r} must name some of dq, dk, db, dg")
+    cq, ck, cb, cg = (n in cast for n in ("dq", "dk", "db", "dg"))
 
     @T.macro
     def diag_exact(n0, ln, gr, kr, aq, ap, cs, a16, t16, kt, dAs, dTs, qs, bks):
@@ -671,7 +697,7 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, tc=False, fas
     @T.prim_func
     def main(dAqk: sig["dAqk"], dT: sig["dT"], dgc: sig["dgc"], q: sig["q"], k: sig["k"], g: sig["g"],
              b: sig["b"], cu_seqlens: sig["cu_seqlens"], dq: sig["dq"], dk: sig["dk"], db: sig["db"],
-             dg: sig["dg"]):
+             dg: sig["dg"], dqo: sig["dqo"], dko: sig["dko"], dbo: sig["dbo"], dgo: sig["dgo"]):
         with T.Kernel(NT * B * NDC, HV, threads=TH) as (bx, hv):
             T.annotate_min_blocks_per_sm(2 if tc else 3)
             tx = T.get_thread_binding()
@@ -807,15 +833,31 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, tc=False, fas
                     Og[n0 + i, ln] = gr[i] + csum
                 for r, d in T.Parallel(C, DC):
                     if r < valid:
-                        dq[bb, t0 + r, hv, c0 + d] = dq[bb, t0 + r, hv, c0 + d] + Oq[r, d]
-                        dk[bb, t0 + r, hv, c0 + d] = (dk[bb, t0 + r, hv, c0 + d]
-                                                      + T.cast(b[bb, t0 + r, hv, c0 + d], acc) * Op[r, d]
-                                                      + Oc[r, d])
-                        db[bb, t0 + r, hv, c0 + d] = db[bb, t0 + r, hv, c0 + d] + ks[r, d] * Op[r, d]
-                        dg[bb, t0 + r, hv, c0 + d] = Og[r, d]
+                        if cq:
+                            dqo[bb, t0 + r, hv, c0 + d] = T.cast(dq[bb, t0 + r, hv, c0 + d] + Oq[r, d], dtype)
+                        else:
+                            dq[bb, t0 + r, hv, c0 + d] = dq[bb, t0 + r, hv, c0 + d] + Oq[r, d]
+                        if ck:
+                            dko[bb, t0 + r, hv, c0 + d] = T.cast(
+                                dk[bb, t0 + r, hv, c0 + d] + T.cast(b[bb, t0 + r, hv, c0 + d], acc) * Op[r, d]
+                                + Oc[r, d], dtype)
+                        else:
+                            dk[bb, t0 + r, hv, c0 + d] = (dk[bb, t0 + r, hv, c0 + d]
+                                                          + T.cast(b[bb, t0 + r, hv, c0 + d], acc) * Op[r, d]
+                                                          + Oc[r, d])
+                        if cb:
+                            dbo[bb, t0 + r, hv, c0 + d] = T.cast(
+                                db[bb, t0 + r, hv, c0 + d] + ks[r, d] * Op[r, d], dtype)
+                        else:
+                            db[bb, t0 + r, hv, c0 + d] = db[bb, t0 + r, hv, c0 + d] + ks[r, d] * Op[r, d]
+                        if cg:
+                            dgo[bb, t0 + r, hv, c0 + d] = T.cast(Og[r, d], g_dtype)
+                        else:
+                            dg[bb, t0 + r, hv, c0 + d] = Og[r, d]
 
-    keep = {"q", "k", "g", "b", "dAqk", "dT", "dgc", "dq", "dk", "db", "dg"} | ({"cu_seqlens"} if varlen else set())
-    return drop_params(main, keep)
+    keep = ({"q", "k", "g", "b", "dAqk", "dT", "dgc", "dq", "dk", "db", "dg"} | ({"cu_seqlens"} if varlen else set())
+            | {n + "o" for n in cast})
+    return drop_params(main, keep, order=intra_grad_order(cast))
 
 
 def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool, varlen: bool,
@@ -857,7 +899,8 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        aqk_split: bool = True, split_ds: bool | None = None, block_v: int | None = None,
                        stages: int = 2, local_bwd: bool = True, reg_diag: bool = False, intra_v2: bool | None = None,
-                       intra_tc: bool | None = None, intra_fast_diag: bool | None = None, wy_load: str | None = None, wy_threads: int | None = None, wy_tf32_round: bool | None = None,
+                       intra_tc: bool | None = None, intra_fast_diag: bool | None = None, wy_load: str | None = None, wy_threads: int | None = None,
+                       wy_tf32_round: bool | None = None, cast_grads: bool | None = None,
                        **_forward_options) -> Pipeline:
     """The backward kernels of ``chunk_gdn2`` for the forward configuration ``registry.config(...)`` (the same
     keyword arguments as ``chunk_fwd_pipeline``; ``block_v`` and ``stages`` apply to both state passes, the
@@ -868,8 +911,8 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     when the forward outputs ``ht``), then the chunk-parallel ``gdn2_chunk_bwd_wy`` and ``gdn2_chunk_bwd_intra``
     (module docstring). Inputs: the forward's scratch (``Aqk`` (+ ``AqkL``), ``Y``, ``QG``, ``KG``, ``GAM``,
     ``Akk``) and states (``h``, ``v_new``), ``do``, ``dht``, ``cu_seqlens`` and the op's q, k, v, g, b, w.
-    Outputs, fp32: ``dh0 [N, HV, K, V]``; ``dq, dk, dg, db [B, T, HV, K]`` (dq, dk per *value* head: the caller
-    sums GVA groups) and ``dv, dw [B, T, HV, V]``. ``local_bwd=False``: the state pass only (outputs ``dh``,
+    Outputs: ``dh0 [N, HV, K, V]``; ``dq, dk, dg, db [B, T, HV, K]`` (dq, dk per *value* head: the caller
+    sums GVA groups) and ``dv, dw [B, T, HV, V]``, fp32 or, with ``cast_grads``, in their inputs' dtypes (below). ``local_bwd=False``: the state pass only (outputs ``dh``,
     ``dv`` = dR and ``dh0``), the rest left to the caller (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
     Options left as None take their value from ``kernels.defaults.BACKWARD`` (``wy_threads`` is 256 when
@@ -886,6 +929,12 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     accumulator registers per thread; not with ``"tma"``). ``wy_tf32_round``: the WY launch rounds its TF32
     operands to nearest instead of letting the tensor core truncate them (``"sync"`` only: the pipelines'
     rounded copies would not fit in shared memory).
+    ``cast_grads``: the launches store the gradients they finish in their inputs' dtypes instead of fp32, rounded
+    to nearest from the same fp32 values (bit-identical to ``astype`` on the fp32 outputs, minus that pass over
+    memory): dv, dw and db in ``dtype`` always; dg in ``g_dtype`` and dq, dk in ``dtype`` from version 2 of the
+    intra launch, dq and dk only when no jnp step follows (HV == H and not ``use_qk_l2norm``: the GVA group sum
+    and the norm's backward stay in fp32). The WY launch's partials of the cast gradients become fp32 scratch
+    (``dq_wy``, ``dk_wy``, ``db_wy``, ``dg_wy``).
     Raises ``ValueError`` for option combinations that do not exist, non-bool flags and unknown options.
     """
     import inspect
@@ -901,12 +950,13 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     if wy_threads is None and wy_load == "tma":  # (the TMA pipeline exists with 256 threads only)
         wy_threads = 256
     given = dict(split_ds=split_ds, intra_v2=intra_v2, intra_tc=intra_tc, intra_fast_diag=intra_fast_diag,
-                 wy_load=wy_load, wy_threads=wy_threads, wy_tf32_round=wy_tf32_round)
+                 wy_load=wy_load, wy_threads=wy_threads, wy_tf32_round=wy_tf32_round, cast_grads=cast_grads)
     src = {n: "" if v is not None else " (from kernels.defaults.BACKWARD)" for n, v in given.items()}
-    split_ds, intra_v2, intra_tc, intra_fast_diag, wy_load, wy_threads, wy_tf32_round = (
+    split_ds, intra_v2, intra_tc, intra_fast_diag, wy_load, wy_threads, wy_tf32_round, cast_grads = (
         BACKWARD[n] if v is None else v for n, v in given.items())
     for name, value in (("split_ds", split_ds), ("intra_v2", intra_v2), ("intra_tc", intra_tc),
-                        ("intra_fast_diag", intra_fast_diag), ("wy_tf32_round", wy_tf32_round)):
+                        ("intra_fast_diag", intra_fast_diag), ("wy_tf32_round", wy_tf32_round),
+                        ("cast_grads", cast_grads)):
         if not isinstance(value, bool):
             raise ValueError(f"{fn}: {name}={value!r}{src[name]} must be True or False")
     if reg_diag and intra_v2:
@@ -936,6 +986,17 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     # cp.async: chosen with TMA's tile, BV = 32 there not tried)
     kw_wy = dict(kl, V=V, BV=32 if wy_load == "sync" or wy_threads == 512 else 16,
                  stages=1 if wy_load == "sync" else 2, threads=int(wy_threads), tf32_round=bool(wy_tf32_round))
+    # cast_grads: which gradients leave the kernels in their inputs' dtypes (name -> dtype), the rest fp32
+    cast = {}
+    if cast_grads:
+        kw_wy["cast_dvw"] = True
+        cast = dict(dv=dtype, dw=dtype)
+        if intra_v2:
+            kl["cast"] = tuple(n for n, ok in (("dq", HV == H and not use_qk_l2norm),
+                                               ("dk", HV == H and not use_qk_l2norm),
+                                               ("db", True), ("dg", g_dtype != "float32")) if ok)
+            cast.update({n: g_dtype if n == "dg" else dtype for n in kl["cast"]})
+    part = {n: n + "_wy" if n in cast else n for n in ("dq", "dk", "db", "dg")}  # the WY launch's partials
     # the cp.async pipeline: TileLang's default on Hopper (TMA copies, warp specialisation) switched off
     wy_pc = (("tl.disable_tma_lower", True), ("tl.disable_warp_specialized", True)) if wy_load == "async" else ()
     if reg_diag:
@@ -948,20 +1009,22 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                 key=("gdn2_chunk_bwd_wy", _VERSION, wy_load) + tuple(sorted(kw_wy.items())),
                 build=lambda: _wy_bwd_prim(**kw_wy), pass_configs=wy_pc,
                 args=("q", "k", "v", "g", "b", "w", "Akk", "h", "v_new", "dh", "dv_new", "do") + cu
-                + ("dq", "dk", "db", "dg", "dAqk", "dT", "dgc", "dv", "dw"))
+                + tuple(part.values()) + ("dAqk", "dT", "dgc", "dv", "dw"))
     intra_prim = _intra_bwd_v2_prim if intra_v2 else _intra_bwd_prim
+    bufs = dict(part, **{n + "o": n for n in kl.get("cast", ())})  # intra launch parameter -> pipeline buffer
     # version 2 masks every global access by the chunk's valid rows itself: TileLang's bounds checks (int64 index
     # arithmetic and compares on each load and store) are switched off
     intra_pc = (("tl.disable_safe_memory_legalize", True),) if intra_v2 else ()
     intra = Launch(name="gdn2_chunk_bwd_intra",
                    key=("gdn2_chunk_bwd_intra", _VERSION, "v2" if intra_v2 else "v1") + tuple(sorted(kl.items())),
                    build=lambda: intra_prim(**kl), pass_configs=intra_pc,
-                   args=("dAqk", "dT", "dgc", "q", "k", "g", "b") + cu + ("dq", "dk", "db", "dg"))
+                   args=("dAqk", "dT", "dgc", "q", "k", "g", "b") + cu
+                   + tuple(bufs[n] for n in intra_grad_order(kl.get("cast", ()))))
     f32 = "float32"
-    tok = lambda n, D: Buf(n, ("B", "T", HV, D), f32)  # noqa: E731
+    tok = lambda n, D: Buf(n, ("B", "T", HV, D), cast.get(n, f32))  # noqa: E731
     inputs = state.inputs + ("q", "k", "v", "g", "b", "w", "Akk", "h", "v_new")
     scratch = (Buf("dh", ("B", "NT", HV, K, V), f32), tok("dv_new", V), tok("dAqk", CHUNK), tok("dT", CHUNK),
-               Buf("dgc", ("B", "NT", HV, K), f32))
+               Buf("dgc", ("B", "NT", HV, K), f32)) + tuple(tok(p, K) for n, p in part.items() if p != n)
     outputs = (Buf("dh0", ("N", HV, K, V), f32), tok("dq", K), tok("dk", K), tok("db", K), tok("dg", K),
                tok("dv", V), tok("dw", V))
     return Pipeline(inputs=inputs, scratch=scratch, outputs=outputs, launches=state.launches + (wy, intra),

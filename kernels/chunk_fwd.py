@@ -71,7 +71,8 @@ def locate_chunk(bx, cu_seqlens, Tn, NT, NP1, loc, t0, varlen: bool):
     take one chunk per block (inside a prim_func, as a ``T.macro``): fills ``loc`` (int32 local ``[4]``) with
     ``(scratch, batch row, chunk slot, valid rows)`` and ``t0`` (int64 local ``[1]``) with the chunk's first token.
     Varlen: a binary search over ``cu_seqlens`` finds the sequence n with ``n + cu[n] // 64 <= bx`` (slots as
-    ``num_chunk_slots``); a slot past its sequence's chunks gets ``valid <= 0``."""
+    ``num_chunk_slots``); a slot past its sequence's chunks gets ``valid == 0``, and so does every slot whose rows
+    would fall outside ``[0, Tn)`` (invalid traced ``cu_seqlens``: not ending at Tn, negative or decreasing)."""
     import tilelang.language as T
 
     C = CHUNK
@@ -90,7 +91,13 @@ def locate_chunk(bx, cu_seqlens, Tn, NT, NP1, loc, t0, varlen: bool):
             loc[1] = 0
             loc[2] = bx
             t0[0] = T.cast(cu_seqlens[loc[0]], "int64") + T.cast(bx - loc[0] - cu_seqlens[loc[0]] // C, "int64") * C
-            loc[3] = T.min(T.cast(T.cast(cu_seqlens[loc[0] + 1], "int64") - t0[0], "int32"), C)
+            # clamped to [0, C] and to the packed batch's Tn tokens, in int64 before the cast: invalid traced
+            # cu_seqlens (poisoned to NaN later) then never move a load or store past the buffers of the kernels
+            # compiled without TileLang's bounds checks
+            loc[3] = T.cast(T.max(T.min(T.min(T.cast(cu_seqlens[loc[0] + 1], "int64"), T.cast(Tn, "int64"))
+                                        - t0[0], T.int64(C)), T.int64(0)), "int32")
+            if t0[0] < 0:
+                loc[3] = 0
         else:
             loc[1] = bx // NT
             loc[2] = bx % NT
@@ -135,8 +142,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                 exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
-    The channel (d) axis is walked in slices of DC = 32 so that shared memory (about 83 KB for K = V = 128) and
-    registers allow two 256-thread blocks per SM. Per slice: load g, q, k (optionally L2-normalised), b*k; the
+    The channel (d) axis is walked in slices of DC = 32 so that shared memory (87 KB for K = V = 128, 110 KB with
+    ``prefetch``) and registers allow two 256-thread blocks per SM. Per slice: load g, q, k (optionally L2-normalised), b*k; the
     within-chunk cumulative sum of the slice (segment prefix, then segment offsets); store QG, KG, GAM for the slice
     and keep ``b*k*exp(G)`` (input dtype) for the Y product; decide the slice's path (``__syncthreads_or`` over
     its decay ranges, block-uniform); accumulate the 16x16 blocks of Aqk and T as anchored TF32 products (one
@@ -150,8 +157,9 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     q and k of slice dc + 1 in the second of two buffers while slice dc is computed, its g and b as soon as slice
     dc's are consumed (converted at the slice's start), and w, v right after the slice loop, so that the solve
     hides their latency. (Every product is rounded where the launch without it rounds it: g * log2(e) is stored
-    before the cumulative sum, so no fused multiply-add can change a bit.) 110 KB of shared memory instead of 87
-    (still two blocks per SM), no register spills (92 bytes without it). Compiled without TileLang's bounds
+    before the cumulative sum, so no fused multiply-add can change a bit.) At K = V = 128 with the default options
+    (ptxas, sm_90a): 110 KB of shared memory instead of 87 (still two blocks per SM), 128 registers and no spills
+    (92 bytes spilled without it; ``exact_self`` with ``tf32_round`` still spills 112). Compiled without TileLang's bounds
     checks (``tl.disable_safe_memory_legalize``): every global access is masked by the kernel itself (checked on
     the generated CUDA by ``tests/test_tilelang_cpu.py::test_forward_intra_prefetch_masks_every_global_access_itself``).
     """
@@ -341,6 +349,9 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                                 qc[cur, r, d] = T.cast(T.cast(qc[cur, r, d], acc) * nq[r], dtype)
                                 kc[cur, r, d] = T.cast(T.cast(kc[cur, r, d], acc) * nk[r], dtype)
                             bkc[r, d] = T.cast(bS[r, d], acc) * T.cast(kc[cur, r, d], acc)
+                        # every thread's reads of gS / bS above are done before the copies overwrite them
+                        # (stated here, not left to TileLang's barrier insertion)
+                        T.sync_threads()
                         if dc + 1 < NDC:  # slice dc's g and b are consumed: slice dc + 1's go out
                             cp_rows(gS, -1, g, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EWG)
                             cp_rows(bS, -1, b, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EW16)
@@ -418,6 +429,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                                                         dd] * gmv
 
                 if prefetch:  # w and v (into Zs) for U, hidden by the solve
+                    T.sync_threads()  # the last slice's reads of the buffers wS / Zs share memory with are done
                     cp_rows(wS, -1, w, bb, t0, hv, 0, valid, tx, V, EW16)
                     cp_rows(Zs, -1, v, bb, t0, hv, 0, valid, tx, V, EW16)
                     T.ptx_commit_group()
@@ -637,10 +649,11 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_fwd_pipeline"
+    origin = ""
     if intra_prefetch is None:
-        intra_prefetch = defaults.FORWARD["intra_prefetch"]
+        intra_prefetch, origin = defaults.FORWARD["intra_prefetch"], " (from kernels.defaults.FORWARD)"
     if not isinstance(intra_prefetch, bool):
-        raise ValueError(f"{fn}: intra_prefetch must be a bool, got {intra_prefetch!r}")
+        raise ValueError(f"{fn}: intra_prefetch must be a bool, got {intra_prefetch!r}{origin}")
     registry.get("chunk_gdn2").support.check(fn, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale)
     scale = float(scale)
     BV = min(V, 16 if HV < 32 else 32) if block_v is None else int(block_v)

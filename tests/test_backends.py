@@ -289,6 +289,38 @@ def test_vmap_invalid_traced_cu_seqlens_poisons_only_its_item(backend, op):
         backend.assert_same(ht[i], ht_i, f"ht[{i}]")
 
 
+def test_traced_out_of_range_cu_seqlens_poison_and_stay_inside_the_buffers(backend):
+    """Traced cu_seqlens whose chunks would reach outside the packed batch (ending past T, starting below 0,
+    decreasing, a sequence of 2**20 tokens): o, the final state and all seven gradients are NaN, the inputs are
+    unchanged, and a valid call afterwards is bit-identical to the same call before. On the tilelang backend this is
+    the test of ``locate_chunk``'s clamp: the intra launches (forward and backward) run without TileLang's bounds
+    checks, so an unclamped chunk would load and store rows past the buffers."""
+    T = 130
+    dtype, g_dtype = backend.dtypes("main")
+    x = make(47, 1, T, 2, 4, 64, 64, dtype, g_dtype, N=3)
+    j = _jnp(x)
+
+    def loss(q, k, v, g, b, w, h0, cu):
+        o, ht = gdn2_jax.chunk_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                     backend=backend.name)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(ht), (o, ht)
+
+    vg = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7)), has_aux=True))
+    args = [j[n] for n in NAMES] + [j["h0"]]
+    good = jnp.asarray([0, 50, 64, T], jnp.int32)
+    before = jax.tree.leaves(vg(*args, good))
+    assert all(np.isfinite(to_np(a)).all() for a in before)
+    for bad in ([0, 50, 64, T + 200], [-200, 50, 64, T], [0, 100, 30, T], [0, 50, 64, 1 << 20],
+                [0, T + 64, T + 64, T]):
+        (val, (o, ht)), grads = vg(*args, jnp.asarray(bad, jnp.int32))
+        for name, a in [("loss", val), ("o", o), ("ht", ht)] + list(zip(NAMES + ("h0",), grads)):
+            assert np.isnan(to_np(a)).all(), (bad, name)
+    for n, a in zip(NAMES + ("h0",), args):
+        np.testing.assert_array_equal(to_np(a), to_np(x[n]), err_msg=n)
+    for a, b in zip(before, jax.tree.leaves(vg(*args, good))):
+        np.testing.assert_array_equal(to_np(a), to_np(b))
+
+
 # ------------------------------------------------------------------------------------------------ determinism
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])

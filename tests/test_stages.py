@@ -658,7 +658,72 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, split_ds):
             assert r <= 1e-2, (n_, name, r)
 
 
-_BWD_VARIANTS = ({}, {"intra_v2": False}, {"intra_v2": False, "reg_diag": True}, {"intra_tc": True}, {"intra_fast_diag": True},
+def _training_forward(op, cfg, x, cu):
+    """The inputs ``x`` (numpy) as CUDA tensors (with ``cu_seqlens`` when ``cu`` is given) and the training
+    forward's outputs with its scratch (what the backward pipeline reads)."""
+    import torch
+
+    from kernels import torch_api
+
+    t = {n: _torch(a) for n, a in x.items()}
+    if cu is not None:
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    return t, torch_api.run_pipeline(op.pipeline(**cfg, save_states=True), t, return_scratch=True)
+
+
+_CAST_CASES = [  # (H, HV, K, V, dtype, g_dtype, l2, varlen): the configurations of kernels/build.py's `casts`
+    (2, 2, 128, 128, "bfloat16", "float32", False, False), (2, 4, 128, 128, "bfloat16", "float32", False, True),
+    (2, 2, 64, 128, "bfloat16", "bfloat16", True, False), (1, 1, 128, 64, "float16", "float32", False, False)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H,HV,K_,V_,dtype,g_dtype,l2,varlen", _CAST_CASES)
+def test_gpu_cast_grads_bit_identical_to_casting_fp32(H, HV, K_, V_, dtype, g_dtype, l2, varlen):
+    """``cast_grads`` (the default): the backward launches store the gradients they finish in their inputs'
+    dtypes, and each is bit for bit the fp32 gradient of ``cast_grads=False`` cast with torch's round to nearest
+    (what jnp's ``astype`` did after the kernels). Which ones are cast: dv, dw, db always; dg when g is 16-bit;
+    dq, dk unless GVA (HV > H) or the in-kernel l2 norm leaves a jnp step (then both runs give the same fp32
+    values). Into NaN-poisoned outputs (every element written); dense T = 200 and packed 0 / 70 / 130 tokens."""
+    import torch
+
+    from kernels import registry, torch_api
+
+    cu = [0, 0, 70, 200] if varlen else None
+    B, T, N = (1, 200, 3) if varlen else (2, 200, 2)
+    x = _gpu_inputs(41, B, T, H, HV, K_, V_, False, "swept")
+    x["h0"] = np.random.default_rng(42).standard_normal((N, HV, K_, V_)).astype(np.float32)
+    if dtype == "float16":
+        x.update({n: np.asarray(x[n], np.float32).astype(np.float16) for n in "qkvbw"})
+    if g_dtype == "bfloat16":
+        x["g"] = _bf16(x["g"])
+    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype=dtype, g_dtype=g_dtype, scale=K_ ** -0.5,
+                          use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=l2)
+    op = registry.get("chunk_gdn2")
+    t, fwd = _training_forward(op, cfg, x, cu)
+    rng = np.random.default_rng(43)
+    do = torch.from_numpy(rng.standard_normal((B, T, HV, V_)).astype(np.float32)).to("cuda", t["v"].dtype)
+    dht = torch.from_numpy(rng.standard_normal((N, HV, K_, V_)).astype(np.float32)).to("cuda")
+    got = {}
+    for cast in (True, False):
+        pipe = op.backward_pipeline(**cfg, cast_grads=cast)
+        ins = {n: (fwd[n] if n in fwd else t[n]) for n in pipe.inputs if n not in ("do", "dht")}
+        ins.update(do=do, dht=dht)
+        shapes = pipe.buffer_shapes({n: tuple(a.shape) for n, a in ins.items()})
+        out = {b.name: torch.full(shapes[b.name], float("nan"), device="cuda", dtype=torch_api._torch_dtype(b.dtype))
+               for b in pipe.outputs}
+        got[cast] = torch_api.run_pipeline(pipe, ins, out=out)
+    torch.cuda.synchronize()
+    qk = HV == H and not l2
+    want = dict(dq=dtype if qk else "float32", dk=dtype if qk else "float32", db=dtype, dv=dtype, dw=dtype,
+                dg=g_dtype, dh0="float32")
+    for n, dt in want.items():
+        a, b = got[True][n], got[False][n]
+        assert a.dtype == torch_api._torch_dtype(dt) and b.dtype == torch.float32, (n, a.dtype, b.dtype)
+        assert torch.isfinite(a).all(), n
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=0, atol=0, msg=n)
+
+
+_BWD_VARIANTS = ({}, {"cast_grads": False}, {"intra_v2": False}, {"intra_v2": False, "reg_diag": True}, {"intra_tc": True}, {"intra_fast_diag": True},
                  {"intra_tc": True, "intra_fast_diag": True},
                  {"wy_load": "async", "wy_threads": 512},
                  {"wy_load": "async", "wy_threads": 256},
@@ -693,10 +758,7 @@ def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist, opts):
     cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
                           use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)
     op = registry.get("chunk_gdn2")
-    t = {n: _torch(a) for n, a in x.items()}
-    if varlen:
-        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
-    fwd = torch_api.run_pipeline(op.pipeline(**cfg, save_states=True), t, return_scratch=True)
+    t, fwd = _training_forward(op, cfg, x, cu)
     rng = np.random.default_rng(33)
     do = _bf16(rng.standard_normal((B, T, HV, V_)))
     pipe = op.backward_pipeline(**cfg, **opts)
@@ -706,7 +768,8 @@ def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist, opts):
     shapes = pipe.buffer_shapes({n: tuple(a.shape) for n, a in ins.items()})
 
     def run():
-        out = {b.name: torch.full(shapes[b.name], float("nan"), device="cuda") for b in pipe.outputs}
+        out = {b.name: torch.full(shapes[b.name], float("nan"), device="cuda", dtype=torch_api._torch_dtype(b.dtype))
+               for b in pipe.outputs}
         return torch_api.run_pipeline(pipe, ins, out=out, return_scratch=True)
 
     r1, r2 = run(), run()

@@ -248,6 +248,29 @@ def test_backward_intra_masks_every_global_access_itself(varlen, HV, KV, g_dtype
         assert _unmasked_global_accesses(fake)
 
 
+def _copies_without_barrier(src: str) -> list[str]:
+    """The ``cp.async`` copies of the CUDA ``src`` that may overwrite shared memory another thread still reads:
+    scanning back from each copy, a line that accesses any shared buffer (other than another copy) comes before
+    any ``__syncthreads()``. Any buffer, not only the copy's destination, because TileLang's planner places buffers
+    over dead ones (``wS`` / ``Zs`` share memory with the slice loop's). Lexical, in source order: a loop-carried
+    read (the previous iteration's) is behind the barrier that the scan meets first at the top of the loop body."""
+    shared = re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem", src)
+    lines = [line.strip() for line in src.splitlines()]
+    bad = []
+    for i, s in enumerate(lines):
+        m = re.match(r"tl::cp_async_gs_conditional<\d+>\(\(&\(\(\(\w+\*\)(\w+)\)\[", s)
+        if not m:
+            continue
+        for prev in reversed(lines[:i]):
+            if prev.startswith("__syncthreads()") or "main_kernel(" in prev:
+                break
+            hit = [n for n in shared if re.search(r"(?<![\w.])%s\)?\s*(\[|\+)" % n, prev)]
+            if "cp_async" not in prev and hit:
+                bad.append(f"{m.group(1)}: {s[:80]} after {prev[:80]}")
+                break
+    return bad
+
+
 @needs_tilelang
 @pytest.mark.slow
 @pytest.mark.parametrize("varlen,HV,KV,g_dtype,opts", [
@@ -280,6 +303,64 @@ def test_forward_intra_prefetch_masks_every_global_access_itself(varlen, HV, KV,
     pred = re.match(r".*, (\(.*\))\);$", cp.strip()).group(1)
     assert _unmasked_global_accesses(src.replace(cp, cp.replace(pred, "(0 < valid)")), exempt=("GAM",))
     assert _unmasked_global_accesses(src)  # (GAM counts unless exempt)
+    # every copy into a staging buffer comes after a barrier behind the last read of that buffer (g / b of the next
+    # slice after the conversion loop, w / v after the slice loop); the check catches a missing barrier
+    assert _copies_without_barrier(src) == []
+    lines = src.splitlines()
+    reissue = [i for i, l in enumerate(lines) if "cp_async_gs_conditional" in l and re.search(r"\(\w+\*\)gS\)", l)][-1]
+    bar = max(i for i in range(reissue) if lines[i].strip() == "__syncthreads();")
+    assert any(x.startswith("gS:") for x in _copies_without_barrier("\n".join(lines[:bar] + lines[bar + 1:])))
+    wv = next(i for i, l in enumerate(lines) if "cp_async_gs_conditional" in l and re.search(r"\(\w+\*\)wS\)", l))
+    bar = max(i for i in range(wv) if lines[i].strip() == "__syncthreads();")
+    assert any(x.startswith("wS:") for x in _copies_without_barrier("\n".join(lines[:bar] + lines[bar + 1:])))
+
+
+def test_forward_default_option_errors_name_kernels_defaults(monkeypatch):
+    """A bad value in ``kernels.defaults.FORWARD`` is reported as coming from there, an explicit bad value as is."""
+    from kernels import defaults
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    kw = dict(H=2, HV=2, K=64, V=64, dtype="bfloat16", g_dtype="float32", scale=0.125, use_initial_state=False,
+              output_final_state=False, varlen=False, use_qk_l2norm=False)
+    monkeypatch.setitem(defaults.FORWARD, "intra_prefetch", 1)
+    with pytest.raises(ValueError, match=r"intra_prefetch must be a bool, got 1 \(from kernels.defaults.FORWARD\)"):
+        chunk_fwd_pipeline(**kw)
+    with pytest.raises(ValueError, match=r"got 'yes'$"):
+        chunk_fwd_pipeline(**kw, intra_prefetch="yes")
+    monkeypatch.setitem(defaults.FORWARD, "intra_prefetch", False)
+    assert "prefetch" not in dict(chunk_fwd_pipeline(**kw).launches[0].key[2:])
+
+
+@pytest.mark.parametrize("H,HV,g_dtype,l2,qk", [(2, 2, "float32", False, True), (2, 4, "float32", False, False),
+                                                 (2, 2, "bfloat16", True, False), (1, 1, "bfloat16", False, True)])
+def test_backward_cast_grads_output_dtypes_and_buffers(H, HV, g_dtype, l2, qk):
+    """``cast_grads`` (default on): dv, dw, db leave the kernels in the input dtype, dg in g's dtype, dq and dk in
+    the input dtype unless a jnp step follows (GVA, l2 norm); the WY launch's partials of the cast ones become fp32
+    scratch read by the intra launch, which writes the outputs; ``cast_grads=False`` keeps every gradient fp32 and
+    the session-12 launches (the WY launch's key without ``cast_dvw``, the intra launch's without ``cast``)."""
+    op = registry.get("chunk_gdn2")
+    kw = dict(H=H, HV=HV, K=128, V=128, dtype="float16", g_dtype=g_dtype, scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=l2)
+    on, off = op.backward_pipeline(**kw), op.backward_pipeline(**kw, cast_grads=False)
+    out = {b.name: b.dtype for b in on.outputs}
+    cast = {"dv", "dw", "db"} | ({"dg"} if g_dtype != "float32" else set()) | ({"dq", "dk"} if qk else set())
+    assert out == {n: ("float16" if n in cast - {"dg"} else g_dtype if n in cast else "float32")
+                   for n in ("dh0", "dq", "dk", "db", "dg", "dv", "dw")}
+    assert all(b.dtype == "float32" for b in off.outputs)
+    wy, intra = on.launches[1:]
+    part = [n + "_wy" if n in cast else n for n in ("dq", "dk", "db", "dg")]
+    assert wy.args[-9:-5] == tuple(part) and {n + "_wy" for n in cast - {"dv", "dw"}} == {
+        b.name for b in on.scratch if b.name.endswith("_wy")}
+    grads = ("dq", "dk", "db", "dg")  # intra launch: partials of the cast ones, their outputs, the in-place rest
+    ordered = (tuple(n + "_wy" for n in grads if n in cast) + tuple(n for n in grads if n in cast)
+               + tuple(n for n in grads if n not in cast))
+    assert intra.args[-(4 + len(cast) - 2):] == ordered
+    assert launch_io(on, 2)[1] == ordered[len(cast) - 2:]  # (every gradient it writes is a result)
+    assert dict(wy.key[3:])["cast_dvw"] is True and "cast_dvw" not in dict(off.launches[1].key[3:])
+    assert dict(intra.key[3:])["cast"] == tuple(n for n in ("dq", "dk", "db", "dg") if n in cast)
+    assert "cast" not in dict(off.launches[2].key[3:])
+    with pytest.raises(ValueError, match="cast_grads=1 must be True or False"):
+        op.backward_pipeline(**kw, cast_grads=1)
 
 
 def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
@@ -336,6 +417,80 @@ def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
     monkeypatch.setitem(defaults.BACKWARD, "wy_load", "async")  # (a failed call is not memoised)
     with pytest.raises(ValueError, match=r"wy_tf32_round=True needs wy_load='sync', got 'async' \(from kernels"):
         op.backward_pipeline(**kw, wy_tf32_round=True)
+
+
+def _written_params(func) -> set:
+    """Names of the parameters of the TileLang prim_func ``func`` that its body writes (element stores, and the
+    destinations of ``T.copy`` / ``T.fill``), from the TIR before lowering."""
+    import importlib
+
+    tir = importlib.import_module("tvm.tirx" if importlib.util.find_spec("tvm.tirx") else "tvm.tir")
+    params = {func.buffer_map[p] for p in func.params}
+    out = set()
+
+    def dest(region):  # tl.region(BufferLoad, access, extents...) or a BufferRegion / BufferLoad
+        for x in (region, getattr(region, "args", [None])[0]):
+            buf = getattr(x, "buffer", None)
+            if buf is not None:
+                return buf
+
+    def visit(node):
+        buf = None
+        if isinstance(node, tir.BufferStore):
+            buf = node.buffer
+        elif isinstance(node, tir.Call) and getattr(node.op, "name", "") in ("tl.tileop.copy", "tl.copy"):
+            buf = dest(node.args[1])
+        elif isinstance(node, tir.Call) and getattr(node.op, "name", "") in ("tl.tileop.fill", "tl.fill"):
+            buf = dest(node.args[0])
+        if buf is not None and buf in params:
+            out.add(buf.name)
+
+    tir.stmt_functor.post_order_visit(func.body, visit)
+    return out
+
+
+def test_written_params_sees_stores_copies_and_fills():
+    """The helper of the next test finds element stores, T.copy and T.fill destinations, and not what is read."""
+    import tilelang.language as T
+
+    @T.prim_func
+    def main(a: T.Tensor((64,), "float32"), b: T.Tensor((64,), "float32"), c: T.Tensor((64,), "float32"),
+             d: T.Tensor((64,), "float32"), e: T.Tensor((64,), "float32")):
+        with T.Kernel(1, threads=64) as bx:
+            s = T.alloc_shared((64,), "float32")
+            T.copy(a, s)
+            T.copy(s, b)
+            T.fill(c, 0)
+            for i in T.Parallel(64):
+                d[i] = s[i] + e[i]
+
+    assert _written_params(main) == {"b", "c", "d"}
+
+
+def test_every_launch_lists_what_it_writes_among_its_results():
+    """Every launch of every pipeline of the ``all`` preset (forward, training forward, backward, with every
+    backward variant) lists each buffer its kernel writes among the results of ``launch_io``: a buffer updated in
+    place but listed before the launch's first new output would be passed to XLA as a read-only operand, and XLA
+    may then schedule the buffer's readers before the update (the GVA dq of ``cast_grads`` was, before its
+    parameter order was fixed: the gradient audit failed on the GPU with dq off by 52%)."""
+    from kernels import build
+
+    written, checked = {}, 0
+    for name, kw, part, _, _ in build.plan(build.preset("all"), tuple(registry.OPS), "sm_90a"):
+        pipe = build._pipe(name, kw, part)
+        for i, la in enumerate(pipe.launches):
+            ck = (la.key, la.pass_configs)
+            if ck not in written:
+                func = la.build()
+                names = [func.buffer_map[p].name for p in func.params]
+                assert len(names) == len(la.args), (la.name, names, la.args)
+                w = _written_params(func)
+                written[ck] = {j for j, n in enumerate(names) if n in w}  # (one kernel serves several pipelines)
+            _, results, _ = launch_io(pipe, i)
+            missing = sorted({la.args[j] for j in written[ck]} - set(results))
+            assert not missing, (name, kw, part, la.name, missing)
+            checked += 1
+    assert checked > 200 and all(written.values())
 
 
 def test_every_preset_describes_valid_pipelines():
