@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU session driver (device machine), from the repository root:  bash benchmarks/run_gpu.sh STEP[,STEP...]
 #   build   compile what the carried kernel cache (.kcache/) lacks (-j 15; BUILD_PRESET, default all; then the
-#           benchmark's kernels unless BUILD_BENCH=0); the cache comes back as kcache.tgz (KCACHE_BACK=0: not)
+#           benchmark's kernels unless BUILD_BENCH=0); the cache comes back as kcache.tgz.part-* (KCACHE_BACK=0: not;
+#           put the parts into .kc/ and carry ".kc")
 #   tests   every `cuda` test (pytest -n 6); with `parity` in the same call the FLA layer-parity test runs in its
 #           own process alongside all other steps (its Triton autotune results come back as fla-autotune-new.tgz)
 #   parity  the FLA layer-parity test alone, timed (issue 9: < 120 s with the autotune cache carried in .gpu/)
@@ -9,7 +10,7 @@
 #   dgraph  the CUDA-graph (XLA command buffer) half of decode alone
 #   bench   python -m benchmarks.bench (the benchmark of record; json/md/png and latest.json into $OUT)
 #   train   examples/train_lm.py --backend tilelang (training + generation at batch 1 and 64)
-#   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32 (PROFILE_VARIANT=prefetch: a
+#   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32 (PROFILE_VARIANT=no_prefetch: a
 #           profile_chunk.VARIANTS entry instead of the public op's kernels; also for ncusrc)
 #   ncubwd  Nsight Compute counters of the three backward launches at B4 T4096 H32 ($OUT/ncu_bwd.txt; BWD_VARIANT=tma: etc., profile_chunk.BWD_LAUNCH_VARIANTS)
 #   ptime   benchmarks/profile_chunk.py --time: each chunk launch of each kernel variant on the grid, FLA alongside
@@ -31,7 +32,9 @@ step() { echo "=== [$(date +%T)] $*" | tee -a "$LOG"; }
 quiet() { grep -v "TileLang:tilelang.*INFO\|^$"; }
 has() { [[ "$STEPS" == *",$1,"* ]]; }
 # the compiled-kernel cache travels packed (.kc/kcache.tgz, carry ".kc"): unpack it where GDN2_JAX_CACHE_DIR points
-[[ -f .kc/kcache.tgz ]] && mkdir -p .kcache && tar -xzf .kc/kcache.tgz -C .kcache
+# (it comes back in parts of 15 MB, the run machine's limit per file being 16 MiB: kcache.tgz.part-aa, -ab, ...)
+if ls .kc/kcache.tgz.part-* >/dev/null 2>&1; then mkdir -p .kcache && cat .kc/kcache.tgz.part-* | tar -xz -C .kcache
+elif [[ -f .kc/kcache.tgz ]]; then mkdir -p .kcache && tar -xzf .kc/kcache.tgz -C .kcache; fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader | tee -a "$LOG"
 
 if has build; then
@@ -149,6 +152,6 @@ fi
 ( cd "$OUT" && diag=$(ls -d g trace_*.json scan_hlo*.txt trace_summary.txt 2>/dev/null; true) \
     && [[ -n "$diag" ]] && tar -czf diag.tgz $diag && rm -rf $diag )
 # what comes back for the next call: compiled kernels and FLA's new autotune results
-[[ "${KCACHE_BACK:-1}" == 1 ]] && tar -czf "$OUT/kcache.tgz" -C .kcache . 2>/dev/null
+[[ "${KCACHE_BACK:-1}" == 1 ]] && tar -cz -C .kcache . 2>/dev/null | split -b 15M - "$OUT/kcache.tgz.part-"
 ( cd "$TRITON_CACHE_DIR" && ls */*.autotune.json >/dev/null 2>&1 && tar -czf "$OUT/fla-autotune-new.tgz" */*.autotune.json )
 ls -la "$OUT" | tail -9
