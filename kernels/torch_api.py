@@ -2,7 +2,9 @@
 
 The same compiled ``tvm_ffi.Function`` objects as the JAX path (``kernels._compile.get_function``), called
 with torch tensors: zero copy for contiguous inputs, on torch's current CUDA stream (tvm-ffi picks it up from
-torch), outputs preallocated with ``torch.empty``. Forward only (no autograd). Names and semantics follow FLA's
+torch), outputs preallocated with ``torch.empty``. ``chunk_gdn2`` is differentiable (``torch.autograd``: the
+training forward saves its states, the backward runs the backward kernels, the same launches as the JAX path's
+``custom_vjp``); ``fused_recurrent_gdn2`` is forward only. Names and semantics follow FLA's
 ``fla.ops.gdn2`` (q,k ``[B,T,H,K]``; v,w ``[B,T,HV,V]``; g,b ``[B,T,HV,K]``; state ``[N,HV,K,V]`` fp32), with GVA
 (HV a multiple of H) in both ops.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 
 from . import _compile, registry
+from ._common import L2NORM_EPS
 from ._pipeline import Pipeline, launch_io, resolve_shape
 
 __all__ = ["chunk_gdn2", "fused_recurrent_gdn2", "run_pipeline"]
@@ -152,17 +155,109 @@ def _run(name, q, k, v, g, b, w, scale, initial_state, output_final_state, use_q
     cfg = registry.config(H=H, HV=HV, K=K, V=V, dtype=dt, g_dtype=gdt, scale=K ** -0.5 if scale is None else scale,
                           use_initial_state=initial_state is not None, output_final_state=output_final_state,
                           varlen=cu_seqlens is not None, use_qk_l2norm=use_qk_l2norm_in_kernel, **options)
+    if op.backward is not None and _needs_grad(q, k, v, g, b, w, initial_state):
+        out = _chunk_autograd().apply(q, k, v, g, b, w, initial_state, cu_seqlens, tuple(sorted(cfg.items())))
+        return out[0], (out[1] if output_final_state else None)
     res = run_pipeline(op.pipeline(**cfg), _inputs(q, k, v, g, b, w, initial_state, cu_seqlens, ssm_state_indices,
                                                    num_accepted_tokens), out=out)
     return res["o"], res.get("ht") if output_final_state else None
 
 
+def _l2norm_fp32(x):
+    """``x * rsqrt(sum(x**2, -1) + eps)`` in fp32: the arithmetic of ``gdn2_jax.xla.common.l2norm``."""
+    import torch
+
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def _chunk_autograd():
+    """The ``torch.autograd.Function`` of ``chunk_gdn2`` (built on first use: torch is imported lazily)."""
+    global _CHUNK_FN
+    if _CHUNK_FN is not None:
+        return _CHUNK_FN
+    import torch
+
+    class ChunkGDN2Function(torch.autograd.Function):
+        """Forward: the training pipeline (``save_states``: the chunk start states h, v_new and the scratch the
+        backward reads are kept). Backward: ``chunk_bwd_pipeline`` on them, then what ``gdn2_jax._tilelang``'s
+        ``_kernel_vjp`` does in jnp: the GVA group sum of dq, dk, the L2 norm's backward and the casts."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, g, b, w, initial_state, cu_seqlens, cfg):
+            op = registry.get("chunk_gdn2")
+            cfg = dict(cfg)
+            train, bwd = op.pipeline(**cfg, save_states=True), op.backward_pipeline(**cfg)
+            ins = _inputs(q, k, v, g, b, w, initial_state, cu_seqlens)
+            res = run_pipeline(train, ins, return_scratch=True)
+            keep = tuple(n for n in bwd.inputs if n in res)
+            ctx.cfg, ctx.keep, ctx.bwd = cfg, keep, bwd
+            ctx.has_h0, ctx.varlen = initial_state is not None, cu_seqlens is not None
+            extra = tuple(ins[n] for n in ("h0", "cu_seqlens") if n in ins)
+            ctx.save_for_backward(*(ins[n] for n in ("q", "k", "v", "g", "b", "w")), *extra,
+                                  *(res[n] for n in keep))
+            o = res["o"]
+            return (o, res["ht"]) if cfg["output_final_state"] else (o,)
+
+        @staticmethod
+        def backward(ctx, do, dht=None):
+            cfg, bwd = ctx.cfg, ctx.bwd
+            saved = ctx.saved_tensors
+            a = dict(zip(("q", "k", "v", "g", "b", "w"), saved[:6]))
+            i = 6
+            for n, present in (("h0", ctx.has_h0), ("cu_seqlens", ctx.varlen)):
+                if present:
+                    a[n], i = saved[i], i + 1
+            ins = dict(zip(ctx.keep, saved[i:]))
+            ins.update({n: a[n] for n in ("v", "g", "b", "w")})
+            if ctx.varlen:
+                ins["cu_seqlens"] = a["cu_seqlens"]
+            ins["do"] = do.to(a["v"].dtype).contiguous()
+            if "dht" in bwd.inputs:  # (torch materialises an unused final state's gradient as zeros)
+                ins["dht"] = dht.to(torch.float32).contiguous()
+            l2 = cfg["use_qk_l2norm"]
+            if l2:  # the kernels see the normalised q, k in the input dtype, as the forward's kernels made them
+                with torch.enable_grad():
+                    q32, k32 = (a[n].float().requires_grad_() for n in ("q", "k"))
+                    qn, kn = _l2norm_fp32(q32), _l2norm_fp32(k32)
+                ins["q"], ins["k"] = qn.detach().to(a["q"].dtype), kn.detach().to(a["k"].dtype)
+            else:
+                ins["q"], ins["k"] = a["q"], a["k"]
+            r = run_pipeline(bwd, ins)
+            dq, dk = r["dq"], r["dk"]
+            H, HV = cfg["H"], cfg["HV"]
+            if HV > H:  # value head j read q/k head j // group
+                dq, dk = (x.float().reshape(x.shape[:2] + (H, HV // H, x.shape[-1])).sum(dim=3) for x in (dq, dk))
+            if l2:
+                dq, dk = torch.autograd.grad((qn, kn), (q32, k32), (dq.float(), dk.float()))
+            grads = [x.to(a[n].dtype) for n, x in zip(("q", "k", "v", "g", "b", "w"),
+                                                       (dq, dk, r["dv"], r["dg"], r["db"], r["dw"]))]
+            dh0 = r["dh0"].to(a["h0"].dtype) if ctx.has_h0 else None
+            return (*grads, dh0, None, None)
+
+    _CHUNK_FN = ChunkGDN2Function
+    return _CHUNK_FN
+
+
+_CHUNK_FN = None
+
+
+def _needs_grad(*tensors) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
 def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_state=False,
                use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-    """Chunked GDN-2 forward (prefill) on torch CUDA tensors. Returns ``(o, final_state or None)``.
+    """Chunked GDN-2 forward (prefill and training) on torch CUDA tensors. Returns ``(o, final_state or None)``.
 
     q,k ``[B,T,H,K]`` bf16/fp16; v,w ``[B,T,HV,V]``; g ``[B,T,HV,K]`` fp32/bf16 natural-log decay; b ``[B,T,HV,K]``;
     initial_state ``[N,HV,K,V]`` fp32; cu_seqlens ``[N+1]`` int (B == 1). o has q's dtype; final state fp32.
+    Differentiable when grad mode is on and any of q, k, v, g, b, w, initial_state requires grad: ``backward``
+    gives their gradients in their dtypes (of ``<o, do> + <final_state, dht>``, dht zero when the final state is
+    unused) through the backward kernels (``kernels/chunk_bwd.py``), the same launches and jnp-equivalent steps
+    as ``gdn2_jax.chunk_gdn2(..., backend="tilelang")``'s VJP. Raises ``ValueError`` / ``TypeError`` for bad
+    input (same checks as the forward).
     """
     return _run("chunk_gdn2", q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 cu_seqlens)
