@@ -29,6 +29,6 @@ FORWARD = dict(intra_prefetch=True)
 #: H32, session 11: two blocks of 4 warps per SM). ``intra_fast_diag``: its diagonal blocks anchored at their
 #: middle rows where the decay allows (3.07 ms instead of 2.99, session 11). Both stay off.
 #: ``cast_grads``: the WY and intra launches store the gradients they finish in their inputs' dtypes (bit-identical
-#: to casting the fp32 outputs in jnp, without that pass over memory; session 13).
+#: to casting the fp32 outputs in jnp, without that pass over memory; sessions 14-15).
 BACKWARD = dict(split_ds=True, intra_v2=True, intra_tc=False, intra_fast_diag=False, wy_load="async", wy_threads=512,
                 wy_tf32_round=False, cast_grads=True)
