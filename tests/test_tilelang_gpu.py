@@ -409,8 +409,8 @@ def test_torch_autograd_chunk_equals_jax_grads(H, HV, KV, T, dtype, g_dtype, l2,
 
 @pytest.mark.skipif(not _HAS_CHUNK, reason="kernels/chunk_fwd.py not present")
 def test_torch_autograd_only_some_inputs_and_no_grad_mode():
-    """Gradients flow to the inputs that require them (the others get none); under ``torch.no_grad`` and with no
-    input requiring grad the call is the plain forward (``o`` carries no graph)."""
+    """With only v requiring grad, o and the final state carry a graph and v's gradient is finite and nonzero;
+    under ``torch.no_grad`` the call is the plain forward (``o`` carries no graph) and gives the same ``o``."""
     import torch
 
     from kernels import torch_api
