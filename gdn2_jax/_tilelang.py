@@ -298,8 +298,8 @@ KERNEL_BACKWARD_OPTIONS: dict = {}
 def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple):
     """``(f_fwd, f_bwd)`` of ``chunk_gdn2`` with its backward kernels (see :data:`KERNEL_BACKWARD`).
 
-    Residuals: the inputs, the forward's scratch that the backward kernels read (Aqk (+ AqkL), Y, QG, KG, GAM and
-    the solve Akk) and the chunk start states ``h`` and ``v_new`` (fp32). The backward kernels
+    Residuals: the inputs, the forward's scratch that the backward kernels read (Aqk (+ AqkL), Y, QG (+ QGL), KG,
+    GAM and the solve Akk) and the chunk start states ``h`` and ``v_new`` (fp32). The backward kernels
     (``kernels/chunk_bwd.py``) give dq, dk per value head, db, dg, dv, dw and dh0, each in its input's dtype
     where no jnp step follows (option ``cast_grads``, default on), else in fp32; jnp sums the GVA groups, applies
     the L2 norm's backward and casts what is still fp32. Under ``jax.vmap`` the training custom calls run once per mapped
@@ -308,8 +308,9 @@ def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple):
     from .xla import chunk as xla_chunk
     from .xla.common import l2norm
 
-    train = op.pipeline(**cfg, save_states=True)
     bwd = op.backward_pipeline(**cfg, **KERNEL_BACKWARD_OPTIONS)
+    # (the forward stores QG's rounding residual exactly when the backward's state pass reads it)
+    train = op.pipeline(**cfg, save_states=True, qg_split="QGL" in bwd.inputs)
     local = "dq" in {b.name for b in bwd.outputs}  # False: the state pass only, the rest in jnp
     made = {b.name for b in tuple(train.scratch) + tuple(train.outputs)}
     sc = tuple(n for n in bwd.inputs if n in made)

@@ -46,6 +46,9 @@ def _backward_options() -> frozenset:
 
 
 BACKWARD_OPTIONS = _backward_options()
+#: forward options that also select training kernels: a configuration carrying only these (and backward options)
+#: builds its forward, its training forward and its backward (``chunk_fwd_pipeline``'s ``z_split``, ``qg_split``)
+TRAINING_OPTIONS = frozenset({"z_split", "qg_split"})
 
 
 def preset(name: str) -> list[dict]:
@@ -83,7 +86,9 @@ def preset(name: str) -> list[dict]:
                     dict(wy_load="async", wy_threads=512), dict(wy_load="tma", wy_threads=256),
                     dict(wy_load="sync", wy_threads=256), dict(wy_load="sync", wy_threads=512),
                     dict(wy_load="sync", wy_threads=256, wy_tf32_round=True), dict(split_ds=False),
-                    dict(cast_grads=False))
+                    dict(cast_grads=False), dict(split_dr=False), dict(qg_split=True),
+                    dict(qg_split=True, split_dr=False), dict(z_split=True),
+                    dict(z_split=True, qg_split=True, split_dr=False))
     bench += [dict(cfg(32, 32, 128), **o) for o in bwd_variants]
     tests += [dict(cfg(2, 4, 128, varlen=v), **o) for v in (False, True) for o in bwd_variants]
     # the backward variants (with the training kernels of their configurations): stage tests, launch times at the
@@ -101,6 +106,8 @@ def preset(name: str) -> list[dict]:
     casts = [cfg(2, 2, 128), cfg(2, 4, 128, varlen=True), cfg(2, 2, 64, 128, l2=True, g_dtype="bfloat16"),
              cfg(1, 1, 128, 64, dtype="float16")]
     tests += casts + [dict(c, cast_grads=False) for c in casts]
+    # the session-16 precision candidate (tests/test_gradient_audit_gpu.py, test_stages.py's z_split test)
+    tests += [dict(cfg(2, 2, 128), z_split=True, qg_split=True, split_dr=False), dict(cfg(4, 4, 128), z_split=True)]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
         dict(cfg(2, 4, 128), aqk_split=False), dict(cfg(2, 4, 128), exact_diag=True)]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,
@@ -128,6 +135,10 @@ def _pipe(name, kw, part):
     op = registry.get(name)
     if part == "bwd":
         return op.backward_pipeline(**kw)
+    accepted = inspect.signature(registry.resolve(op.factory)).parameters
+    kw = {k: v for k, v in kw.items() if k in accepted}  # (the forward's options only: a backward variant's others)
+    if part == "fwd":  # (QG's residual is for the backward: the inference forward never stores it)
+        kw.pop("qg_split", None)
     return op.pipeline(**(dict(kw, save_states=True) if part == "train" else kw))
 
 
@@ -166,6 +177,8 @@ def plan(configs, ops, arch) -> list[tuple]:
         extra = set(kw) - set(cfg(1, 1, 64))
         if op.backward and extra and extra <= BACKWARD_OPTIONS:  # a backward variant: its launches only
             parts = ("bwd",)
+        elif op.backward and extra and extra & TRAINING_OPTIONS and extra <= BACKWARD_OPTIONS | TRAINING_OPTIONS:
+            parts = ("fwd", "train", "bwd")  # forward options the training path shares (with backward ones)
         elif any(k not in accepted for k in kw):  # an option of another op's factory (e.g. block_v)
             continue
         else:  # training kernels (the forward saving its states, the backward) for the plain configurations

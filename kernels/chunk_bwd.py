@@ -11,8 +11,9 @@ the current chunk's end state (``dht`` of the sequence, or 0, before the last ch
 Rows past a sequence's end (the tail of its last chunk, or the next sequence's tokens in packed varlen input) read
 as zero dO and get dR = 0. The fp32 dS is the accumulator; its bf16 copy is the operand of the KG dS product (as the
 forward's state kernel does with S). Inputs are the forward's scratch (``chunk_fwd.py`` launch 1, token-major:
-``Aqk`` (+ its residual ``AqkL``), ``Y``, ``QG``, ``KG`` ``[B, T, HV, .]`` in the input dtype, ``GAM`` fp32
-``[B, NT, HV, K]``) and ``do`` ``[B, T, HV, V]``. Outputs: ``dh [B, NT, HV, K, V]`` fp32 (chunk slots as ``GAM``),
+``Aqk`` (+ its residual ``AqkL``), ``Y``, ``QG`` (+ its residual ``QGL``, option ``qg_split``), ``KG``
+``[B, T, HV, .]`` in the input dtype, ``GAM`` fp32 ``[B, NT, HV, K]``) and ``do``
+``[B, T, HV, V]``. Outputs: ``dh [B, NT, HV, K, V]`` fp32 (chunk slots as ``GAM``),
 ``dv [B, T, HV, V]`` fp32 (dR) and ``dh0 [N, HV, K, V]`` fp32.
 
 xla twin: ``gdn2_jax.xla.chunk_delta_h.state_bwd_recurrent`` fed ``chunk_o.o_bwd``'s shares dR_o = Aqk^T dO and
@@ -39,7 +40,8 @@ _VERSION = 1
 BWD_DIAG_RANGE = 50.0
 
 
-def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, split_ds=False):
+def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, split_ds=False, split_dr=False,
+                 qg_split=False):
     import tilelang.language as T
 
     C = CHUNK
@@ -56,12 +58,14 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
     tok = lambda D, dt=dtype: T.Tensor((B, Tn, HV, D), dt)  # noqa: E731
     st = lambda: T.Tensor((N, HV, K, V), acc)  # noqa: E731
     sig = dict(Aqk=tok(C), AqkL=tok(C), Y=tok(K), QG=tok(K), KG=tok(K), GAM=T.Tensor((B, NT, HV, K), acc),
-               do=tok(V), dht=st(), cu_seqlens=T.Tensor((NP1,), "int32"), dh=T.Tensor((B, NT, HV, K, V), acc),
+               QGL=tok(K), do=tok(V), dht=st(), cu_seqlens=T.Tensor((NP1,), "int32"),
+               dh=T.Tensor((B, NT, HV, K, V), acc),
                dv=tok(V, acc), dh0=st())
 
     @T.prim_func
     def main(Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], QG: sig["QG"], KG: sig["KG"], GAM: sig["GAM"],
-             do: sig["do"], dht: sig["dht"], cu_seqlens: sig["cu_seqlens"], dh: sig["dh"], dv: sig["dv"],
+             QGL: sig["QGL"], do: sig["do"], dht: sig["dht"], cu_seqlens: sig["cu_seqlens"], dh: sig["dh"],
+             dv: sig["dv"],
              dh0: sig["dh0"]):
         with T.Kernel(NSEQ * NVB, HV, threads=threads) as (bx, hv):
             n = bx // NVB
@@ -76,9 +80,12 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
             Sb = T.alloc_shared((K, BV), dtype)
             dRb = T.alloc_shared((C, BV), dtype)
             dRf = T.alloc_fragment((C, BV), acc)
-            if split_ds:  # the bf16 rounding residuals of dS and dR: second operands of their products
+            if split_ds:  # the bf16 rounding residual of dS: second operand of the KG dS product
                 SbL = T.alloc_shared((K, BV), dtype)
+            if split_dr:  # the same for dR in the Y^T dR product
                 dRbL = T.alloc_shared((C, BV), dtype)
+            if qg_split:  # QG's rounding residual (the training forward's QGL)
+                QsL = T.alloc_shared((C, K), dtype)
 
             bb, bos, ln, sbase = seq_span(n, cu_seqlens, Tn, varlen)
             nc = T.ceildiv(ln, C)
@@ -95,6 +102,8 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                 T.copy(Y[bb, t0:t0 + C, hv, :], Ys)
                 T.copy(QG[bb, t0:t0 + C, hv, :], Qs)
                 T.copy(KG[bb, t0:t0 + C, hv, :], Ks)
+                if qg_split:
+                    T.copy(QGL[bb, t0:t0 + C, hv, :], QsL)
                 T.copy(Aqk[bb, t0:t0 + C, hv, :], As)
                 if aqk_split:
                     T.copy(AqkL[bb, t0:t0 + C, hv, :], AsL)
@@ -118,7 +127,7 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                         dv[bb, t0 + r, hv, v0 + e] = dRf[r, e]
                 for r, e in T.Parallel(C, BV):  # -dR (masked) as the operand of the Y^T product
                     dRb[r, e] = T.if_then_else(j * C + r < ln, T.cast(-dRf[r, e], dtype), T.cast(0, dtype))
-                if split_ds:
+                if split_dr:
                     for r, e in T.Parallel(C, BV):
                         dRbL[r, e] = T.if_then_else(j * C + r < ln,
                                                     T.cast(-dRf[r, e] - T.cast(T.cast(-dRf[r, e], dtype), acc),
@@ -127,14 +136,17 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                 for i, e in T.Parallel(K, BV):
                     dS[i, e] = dS[i, e] * gs[i]
                 T.gemm(Qs, dOs, dS, transpose_A=True)            # + QG^T dO
+                if qg_split:
+                    T.gemm(QsL, dOs, dS, transpose_A=True)
                 T.gemm(Ys, dRb, dS, transpose_A=True)            # - Y^T dR
-                if split_ds:
+                if split_dr:
                     T.gemm(Ys, dRbL, dS, transpose_A=True)
 
             for i, e in T.Parallel(K, BV):
                 dh0[n, hv, i, v0 + e] = dS[i, e]
 
     keep = {"Aqk", "Y", "QG", "KG", "GAM", "do", "dh", "dv", "dh0"} | ({"AqkL"} if aqk_split else set())
+    keep |= {"QGL"} if qg_split else set()
     keep |= {"dht"} if use_dht else set()
     keep |= {"cu_seqlens"} if varlen else set()
     return drop_params(main, keep)
@@ -862,7 +874,8 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, tc=False, fas
 
 def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool, varlen: bool,
                           aqk_split: bool = True, block_v: int | None = None, stages: int = 2,
-                          split_ds: bool = False, dv_name: str = "dv") -> Pipeline:
+                          split_ds: bool = False, split_dr: bool = False, qg_split: bool = False,
+                          dv_name: str = "dv") -> Pipeline:
     """Pipeline of the reverse state-gradient pass (one launch, see the module docstring).
 
     Inputs: the forward's scratch ``Aqk`` (and ``AqkL`` when ``aqk_split``, as ``chunk_fwd_pipeline`` stores
@@ -870,9 +883,12 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
     ``do [B, T, HV, V]`` (``dtype``), ``dht [N, HV, K, V]`` fp32 when ``use_dht``, ``cu_seqlens [N+1]`` int32 when
     ``varlen`` (then B == 1). Outputs ``dh [B, NT, HV, K, V]``, ``dv [B, T, HV, V]``, ``dh0 [N, HV, K, V]``, all
     fp32. K, V in {64, 128}; ``block_v`` (default 16 for HV < 32, else 32, as the forward's state kernel) divides V.
-    ``split_ds`` (off here; on by default in :func:`chunk_bwd_pipeline`, ``kernels.defaults``): dS and dR enter
-    their products in the input dtype plus their rounding residuals (two products each), so only the forward's
-    scratch carries 16-bit rounding. ``dv_name`` names the dR output
+    The options are off here (:func:`chunk_bwd_pipeline` takes its defaults from ``kernels.defaults.BACKWARD``):
+    ``split_ds``: dS enters the KG dS product in the input dtype plus its rounding residual (two products), so
+    that dR carries no rounding of dS; ``split_dr``: the same for dR in the Y^T dR product; ``qg_split``: an
+    input ``QGL`` (after ``GAM``; the training forward's rounding residual of QG, ``chunk_fwd_pipeline``'s
+    ``qg_split``) makes QG^T dO two products, so that dS and dh0 carry no rounding of QG, the largest rounding
+    point of this pass (``docs/performance-notes.md``, session 16). ``dv_name`` names the dR output
     (``chunk_bwd_pipeline`` calls it ``dv_new``, as FLA's gradient of ``v_new``).
     Raises ``ValueError`` for unsupported configurations.
     """
@@ -882,14 +898,15 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
     BV = min(V, 16 if HV < 32 else 32) if block_v is None else int(block_v)
     if BV not in (16, 32, 64, 128) or V % BV != 0:
         raise ValueError(f"{fn}: block_v={BV} must be 16, 32, 64 or 128 and divide V={V}")
-    inputs = (("Aqk",) + (("AqkL",) if aqk_split else ()) + ("Y", "QG", "KG", "GAM", "do")
+    inputs = (("Aqk",) + (("AqkL",) if aqk_split else ()) + ("Y", "QG", "KG", "GAM")
+              + (("QGL",) if qg_split else ()) + ("do",)
               + (("dht",) if use_dht else ()) + (("cu_seqlens",) if varlen else ()))
     outputs = (Buf("dh", ("B", "NT", HV, K, V), "float32"), Buf(dv_name, ("B", "T", HV, V), "float32"),
                Buf("dh0", ("N", HV, K, V), "float32"))
     kw = dict(HV=HV, K=K, V=V, BV=BV, dtype=dtype, use_dht=bool(use_dht), varlen=bool(varlen), stages=int(stages),
               aqk_split=bool(aqk_split))
-    if split_ds:  # (in the key only when on: the default kernel keeps its key)
-        kw.update(split_ds=True)
+    kw.update({n: True for n, on in (("split_ds", split_ds), ("split_dr", split_dr), ("qg_split", qg_split))
+               if on})  # (in the key only when on)
     launch = Launch(name="gdn2_chunk_dstate", key=("gdn2_chunk_dstate", _VERSION) + tuple(sorted(kw.items())),
                     build=lambda: _dstate_prim(**kw), args=inputs + tuple(b.name for b in outputs))
     return Pipeline(inputs=inputs, scratch=(), outputs=outputs, launches=(launch,), sizes=sizes_fn(varlen, "do"))
@@ -897,7 +914,8 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
 
 def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
-                       aqk_split: bool = True, split_ds: bool | None = None, block_v: int | None = None,
+                       aqk_split: bool = True, split_ds: bool | None = None, split_dr: bool | None = None,
+                       qg_split: bool | None = None, block_v: int | None = None,
                        stages: int = 2, local_bwd: bool = True, reg_diag: bool = False, intra_v2: bool | None = None,
                        intra_tc: bool | None = None, intra_fast_diag: bool | None = None, wy_load: str | None = None, wy_threads: int | None = None,
                        wy_tf32_round: bool | None = None, cast_grads: bool | None = None,
@@ -909,15 +927,17 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
 
     Launches: the reverse state pass (``gdn2_chunk_dstate``, with the final state's cotangent ``dht`` as an input
     when the forward outputs ``ht``), then the chunk-parallel ``gdn2_chunk_bwd_wy`` and ``gdn2_chunk_bwd_intra``
-    (module docstring). Inputs: the forward's scratch (``Aqk`` (+ ``AqkL``), ``Y``, ``QG``, ``KG``, ``GAM``,
-    ``Akk``) and states (``h``, ``v_new``), ``do``, ``dht``, ``cu_seqlens`` and the op's q, k, v, g, b, w.
+    (module docstring). Inputs: the forward's scratch (``Aqk`` (+ ``AqkL``), ``Y``, ``QG`` (+ ``QGL``), ``KG``,
+    ``GAM``, ``Akk``) and states (``h``, ``v_new``), ``do``, ``dht``, ``cu_seqlens`` and the op's q, k, v, g, b, w.
     Outputs: ``dh0 [N, HV, K, V]``; ``dq, dk, dg, db [B, T, HV, K]`` (dq, dk per *value* head: the caller
     sums GVA groups) and ``dv, dw [B, T, HV, V]``, fp32 or, with ``cast_grads``, in their inputs' dtypes (below). ``local_bwd=False``: the state pass only (outputs ``dh``,
     ``dv`` = dR and ``dh0``), the rest left to the caller (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
     Options left as None take their value from ``kernels.defaults.BACKWARD`` (``wy_threads`` is 256 when
-    ``wy_load="tma"`` is given). ``split_ds``: as in
-    :func:`chunk_dstate_pipeline`. Options of the chunk-parallel launches: ``intra_v2``: the intra launch's version 2
+    ``wy_load="tma"`` is given). ``split_ds``, ``split_dr``, ``qg_split``: as in
+    :func:`chunk_dstate_pipeline` (``qg_split``: the training forward must store ``QGL``, which
+    ``chunk_fwd_pipeline(save_states=True)`` does by default when this default is on).
+    Options of the chunk-parallel launches: ``intra_v2``: the intra launch's version 2
     (:func:`_intra_bwd_v2_prim`); False: version 1 (:func:`_intra_bwd_prim`), where ``reg_diag`` (experimental)
     sums its 16 x 16 diagonal blocks in registers. ``intra_tc`` (version 2 only): its off-diagonal 16 x 16 blocks as
     anchored TF32 tensor-core products instead of fp32 register sums. ``intra_fast_diag`` (version 2 only): its
@@ -949,12 +969,14 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                          "chunk_fwd_pipeline's)")
     if wy_threads is None and wy_load == "tma":  # (the TMA pipeline exists with 256 threads only)
         wy_threads = 256
-    given = dict(split_ds=split_ds, intra_v2=intra_v2, intra_tc=intra_tc, intra_fast_diag=intra_fast_diag,
+    given = dict(split_ds=split_ds, split_dr=split_dr, qg_split=qg_split, intra_v2=intra_v2, intra_tc=intra_tc,
+                 intra_fast_diag=intra_fast_diag,
                  wy_load=wy_load, wy_threads=wy_threads, wy_tf32_round=wy_tf32_round, cast_grads=cast_grads)
     src = {n: "" if v is not None else " (from kernels.defaults.BACKWARD)" for n, v in given.items()}
-    split_ds, intra_v2, intra_tc, intra_fast_diag, wy_load, wy_threads, wy_tf32_round, cast_grads = (
-        BACKWARD[n] if v is None else v for n, v in given.items())
-    for name, value in (("split_ds", split_ds), ("intra_v2", intra_v2), ("intra_tc", intra_tc),
+    (split_ds, split_dr, qg_split, intra_v2, intra_tc, intra_fast_diag, wy_load, wy_threads, wy_tf32_round,
+     cast_grads) = (BACKWARD[n] if v is None else v for n, v in given.items())
+    for name, value in (("split_ds", split_ds), ("split_dr", split_dr), ("qg_split", qg_split),
+                        ("intra_v2", intra_v2), ("intra_tc", intra_tc),
                         ("intra_fast_diag", intra_fast_diag), ("wy_tf32_round", wy_tf32_round),
                         ("cast_grads", cast_grads)):
         if not isinstance(value, bool):
@@ -976,7 +998,7 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: wy_threads=512{src['wy_threads']} needs wy_load='sync' or 'async' (with 'tma' "
                          "the kernel would not fit in shared memory and registers)")
     kw = dict(HV=HV, K=K, V=V, dtype=dtype, use_dht=output_final_state, varlen=varlen, aqk_split=aqk_split,
-              split_ds=split_ds, block_v=block_v, stages=stages)
+              split_ds=split_ds, split_dr=split_dr, qg_split=qg_split, block_v=block_v, stages=stages)
     if not local_bwd:
         return chunk_dstate_pipeline(**kw)
     state = chunk_dstate_pipeline(**kw, dv_name="dv_new")

@@ -128,7 +128,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
         Aqk=T.Tensor((B, Tn, HV, C), dtype), AqkL=T.Tensor((B, Tn, HV, C), dtype),
         Y=T.Tensor((B, Tn, HV, K), dtype), U=T.Tensor((B, Tn, HV, V), dtype),
         QG=T.Tensor((B, Tn, HV, K), dtype), KG=T.Tensor((B, Tn, HV, K), dtype), GAM=T.Tensor((B, NT, HV, K), f32),
-        Akk=T.Tensor((B, Tn, HV, C), f32),
+        QGL=T.Tensor((B, Tn, HV, K), dtype), Akk=T.Tensor((B, Tn, HV, C), f32),
         o=T.Tensor((B, Tn, HV, V), dtype), ht=T.Tensor((N, HV, K, V), f32),
         h=T.Tensor((B, NT, HV, K, V), f32), v_new=T.Tensor((B, Tn, HV, V), f32),
     )
@@ -139,7 +139,8 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # launch 1: intra-chunk (cumsum, Aqk, T, solve, WY auxiliaries)
 # ----------------------------------------------------------------------------------------------------------------
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
-                exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False):
+                exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False, z_split=False,
+                qg_split=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (87 KB for K = V = 128, 110 KB with
@@ -258,7 +259,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     @T.prim_func
     def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"],
              cu_seqlens: sig["cu_seqlens"], Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], U: sig["U"],
-             QG: sig["QG"], KG: sig["KG"], GAM: sig["GAM"], Akk: sig["Akk"]):
+             QG: sig["QG"], KG: sig["KG"], GAM: sig["GAM"], QGL: sig["QGL"], Akk: sig["Akk"]):
         with T.Kernel(NT * B, HV, threads=TH) as (bx, hv):
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
@@ -287,6 +288,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             Nf = T.alloc_fragment((C, C), acc)
             As = T.alloc_shared((C, C), dtype)
             Zs = T.alloc_shared((C, V), dtype)
+            if z_split and not prefetch:  # (with prefetch, w's staging tile takes the residual of w v)
+                ZsL = T.alloc_shared((C, V), dtype)
             Yf = T.alloc_fragment((C, K), acc)
             Uf = T.alloc_fragment((C, V), acc)
             aq, at = (T.alloc_local((RPG,), acc) for _ in range(2))
@@ -395,6 +398,11 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                         if r < valid:
                             QG[bb, t0 + r, hv, dc * DC + d] = T.cast(
                                 scale * T.cast(qkel(qc, cur, r, d), acc) * T.exp2(Gc[r, d]), dtype)
+                            if qg_split:  # its rounding residual (training forward, for the reverse state pass)
+                                QGL[bb, t0 + r, hv, dc * DC + d] = T.cast(
+                                    scale * T.cast(qkel(qc, cur, r, d), acc) * T.exp2(Gc[r, d]) - T.cast(T.cast(
+                                        scale * T.cast(qkel(qc, cur, r, d), acc) * T.exp2(Gc[r, d]), dtype), acc),
+                                    dtype)
                             KG[bb, t0 + r, hv, dc * DC + d] = T.cast(
                                 T.cast(qkel(kc, cur, r, d), acc) * T.exp2(Gc[C - 1, d] - Gc[r, d]), dtype)
                     for d in T.Parallel(DC):
@@ -496,6 +504,22 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                 if prefetch:
                     T.ptx_wait_group(0)
                     T.sync_threads()
+                if z_split:
+                    # Z = w v is exact in fp32 (two 8- or 11-bit significands) and exact as its 16-bit rounding
+                    # plus that rounding's residual: U = A Z_hi + A Z_lo (Uf holds Z until its products clear it)
+                    for r, e in T.Parallel(C, V):
+                        if prefetch:
+                            Uf[r, e] = T.cast(wS[r, e], acc) * T.cast(Zs[r, e], acc)
+                        else:
+                            Uf[r, e] = T.if_then_else(
+                                r < valid, T.cast(w[bb, t0 + r, hv, e], acc) * T.cast(v[bb, t0 + r, hv, e], acc), 0.0)
+                    for r, e in T.Parallel(C, V):
+                        Zs[r, e] = T.cast(Uf[r, e], dtype)
+                        if prefetch:
+                            wS[r, e] = T.cast(Uf[r, e] - T.cast(T.cast(Uf[r, e], dtype), acc), dtype)
+                        else:
+                            ZsL[r, e] = T.cast(Uf[r, e] - T.cast(T.cast(Uf[r, e], dtype), acc), dtype)
+                elif prefetch:
                     for r, e in T.Parallel(C, V):
                         Zs[r, e] = T.cast(T.cast(wS[r, e], acc) * T.cast(Zs[r, e], acc), dtype)
                 else:
@@ -505,6 +529,11 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             dtype)
                 T.gemm(As, Ebs, Yf, clear_accum=True)
                 T.gemm(As, Zs, Uf, clear_accum=True)
+                if z_split:
+                    if prefetch:
+                        T.gemm(As, wS, Uf)
+                    else:
+                        T.gemm(As, ZsL, Uf)
                 for r, d in T.Parallel(C, K):
                     if r < valid:
                         Y[bb, t0 + r, hv, d] = T.cast(Yf[r, d], dtype)
@@ -515,6 +544,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     keep = {"q", "k", "v", "g", "b", "w", "Aqk", "Y", "U", "QG", "KG", "GAM"} | ({"cu_seqlens"} if varlen else set())
     keep |= {"AqkL"} if aqk_split else set()
     keep |= {"Akk"} if save_a else set()
+    keep |= {"QGL"} if qg_split else set()
     return drop_params(main, keep)
 
 
@@ -622,7 +652,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        block_v: int | None = None, stages: int = 2, intra_threads: int = 256,
                        intra_min_blocks: int = 2, exact_diag: bool = False, exact_self: bool = False,
                        tf32_round: bool = False, aqk_split: bool = True, save_states: bool = False,
-                       intra_prefetch: bool | None = None) -> Pipeline:
+                       intra_prefetch: bool | None = None, z_split: bool | None = None,
+                       qg_split: bool | None = None) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -643,6 +674,15 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``intra_prefetch`` (default from ``kernels.defaults.FORWARD``): launch 1 loads its input tiles by predicated
     ``cp.async`` one channel slice ahead, without TileLang's bounds checks (the same arithmetic: bit-identical
     results; see ``_intra_prim``).
+    ``z_split`` (default from ``kernels.defaults.FORWARD``): launch 1 forms ``U = A (w v)`` as two 16-bit
+    tensor-core products, ``A Z_hi + A Z_lo``, where ``Z_hi`` is ``w v`` rounded to the input dtype and ``Z_lo``
+    its rounding residual: ``w v`` of two 16-bit inputs is exact in fp32 and in that pair, so U no longer carries
+    the rounding of its right-hand side, which (I + T)^-1 amplifies (FLA rounds it: spec §6 2c). Changes the
+    results (o and the final state closer to fp64; ``docs/performance-notes.md``, session 16).
+    ``qg_split`` (training forward only; default: on when ``save_states`` and
+    ``kernels.defaults.BACKWARD["qg_split"]``): launch 1 also stores ``QGL``, the rounding residual of QG in the
+    input dtype, for the reverse state pass (``kernels.chunk_bwd.chunk_dstate_pipeline``); the forward's results
+    are unchanged.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -654,6 +694,19 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         intra_prefetch, origin = defaults.FORWARD["intra_prefetch"], " (from kernels.defaults.FORWARD)"
     if not isinstance(intra_prefetch, bool):
         raise ValueError(f"{fn}: intra_prefetch must be a bool, got {intra_prefetch!r}{origin}")
+    z_origin = ""
+    if z_split is None:
+        z_split, z_origin = defaults.FORWARD["z_split"], " (from kernels.defaults.FORWARD)"
+    if not isinstance(z_split, bool):
+        raise ValueError(f"{fn}: z_split must be a bool, got {z_split!r}{z_origin}")
+    qg_origin = ""
+    if qg_split is None:
+        qg_split = bool(save_states) and defaults.BACKWARD["qg_split"]
+        qg_origin = " (from kernels.defaults.BACKWARD)"
+    if not isinstance(qg_split, bool):
+        raise ValueError(f"{fn}: qg_split must be a bool, got {qg_split!r}{qg_origin}")
+    if qg_split and not save_states:
+        raise ValueError(f"{fn}: qg_split=True needs save_states=True (QGL is read by the backward only)")
     registry.get("chunk_gdn2").support.check(fn, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale)
     scale = float(scale)
     BV = min(V, 16 if HV < 32 else 32) if block_v is None else int(block_v)
@@ -673,7 +726,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         Buf("QG", ("B", "T", HV, K), dtype),
         Buf("KG", ("B", "T", HV, K), dtype),
         Buf("GAM", ("B", "NT", HV, K), "float32"),
-    ) + ((Buf("Akk", ("B", "T", HV, CHUNK), "float32"),) if save_states else ())
+    ) + ((Buf("QGL", ("B", "T", HV, K), dtype),) if qg_split else ()) + (
+        (Buf("Akk", ("B", "T", HV, CHUNK), "float32"),) if save_states else ())
     outputs = (Buf("o", ("B", "T", HV, V), dtype),) + (
         (Buf("ht", ("N", HV, K, V), "float32"),) if output_final_state else ()) + (
         (Buf("h", ("B", "NT", HV, K, V), "float32"), Buf("v_new", ("B", "T", HV, V), "float32"))
@@ -686,14 +740,15 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     # (precision options enter the key only when on: the kernels without them keep v5's key and code)
     kw1.update({n: True for n, on in (("exact_self", exact_self), ("tf32_round", tf32_round),
                                       ("aqk_split", aqk_split), ("save_a", save_states),
-                                      ("prefetch", intra_prefetch)) if on})
+                                      ("prefetch", intra_prefetch), ("z_split", z_split),
+                                      ("qg_split", qg_split)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),
         build=lambda: _intra_prim(**kw1),
         pass_configs=(("tl.disable_safe_memory_legalize", True),) if intra_prefetch else (),
         args=("q", "k", "v", "g", "b", "w") + (("cu_seqlens",) if varlen else ()) + sc
-        + (("Akk",) if save_states else ()),
+        + (("QGL",) if qg_split else ()) + (("Akk",) if save_states else ()),
     )
     kw2 = dict(HV=HV, K=K, V=V, BV=BV, dtype=dtype, use_h0=bool(use_initial_state),
                store_ht=bool(output_final_state), varlen=bool(varlen), stages=int(stages))

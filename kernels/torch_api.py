@@ -186,7 +186,8 @@ def _chunk_autograd():
         def forward(ctx, q, k, v, g, b, w, initial_state, cu_seqlens, cfg):
             op = registry.get("chunk_gdn2")
             cfg = dict(cfg)
-            train, bwd = op.pipeline(**cfg, save_states=True), op.backward_pipeline(**cfg)
+            bwd = op.backward_pipeline(**cfg)
+            train = op.pipeline(**cfg, save_states=True, qg_split="QGL" in bwd.inputs)
             ins = _inputs(q, k, v, g, b, w, initial_state, cu_seqlens)
             res = run_pipeline(train, ins, return_scratch=True)
             keep = tuple(n for n in bwd.inputs if n in res)

@@ -275,7 +275,8 @@ def _copies_without_barrier(src: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("varlen,HV,KV,g_dtype,opts", [
     (False, 4, 128, "float32", {}), (True, 4, 128, "float32", dict(use_qk_l2norm=True)),
-    (True, 2, 64, "bfloat16", dict(save_states=True))])
+    (True, 2, 64, "bfloat16", dict(save_states=True)),
+    (True, 2, 64, "float32", dict(save_states=True, z_split=True, qg_split=True))])
 def test_forward_intra_prefetch_masks_every_global_access_itself(varlen, HV, KV, g_dtype, opts):
     """The forward intra launch with ``intra_prefetch`` is compiled without TileLang's bounds checks: its inputs
     arrive by predicated ``cp.async`` (predicate: the row is valid) and every other global access sits under a row
@@ -417,6 +418,54 @@ def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
     monkeypatch.setitem(defaults.BACKWARD, "wy_load", "async")  # (a failed call is not memoised)
     with pytest.raises(ValueError, match=r"wy_tf32_round=True needs wy_load='sync', got 'async' \(from kernels"):
         op.backward_pipeline(**kw, wy_tf32_round=True)
+
+
+def test_precision_options_of_session_16_are_checked_keyed_and_wired(monkeypatch):
+    """``z_split`` (forward), ``qg_split`` (training forward and reverse state pass) and ``split_dr`` (state pass):
+    off, the launches keep the keys of the kernels measured up to session 15 (the options enter a key only when
+    on); on, the forward's intra launch writes ``QGL`` after ``GAM`` and the state pass reads it after ``GAM``;
+    bad values raise naming the option (and ``kernels.defaults`` when it came from there); the JAX and torch
+    training forward stores QGL by default exactly when the backward's default reads it."""
+    from kernels import defaults
+    from kernels.chunk_bwd import chunk_dstate_pipeline
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    op = registry.get("chunk_gdn2")
+    kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    plain = chunk_fwd_pipeline(**kw, z_split=False)
+    assert not {"z_split", "qg_split"} & set(dict(plain.launches[0].key[2:]))
+    zs = chunk_fwd_pipeline(**kw, z_split=True)
+    assert dict(zs.launches[0].key[2:])["z_split"] is True and zs.launches[1].key == plain.launches[1].key
+    tr = chunk_fwd_pipeline(**kw, save_states=True, qg_split=True)
+    intra = tr.launches[0]
+    assert intra.args[-3:] == ("GAM", "QGL", "Akk") and "QGL" in {b.name for b in tr.scratch}
+    assert "QGL" not in chunk_fwd_pipeline(**kw, save_states=True, qg_split=False).launches[0].args
+    with pytest.raises(ValueError, match="qg_split=True needs save_states=True"):
+        chunk_fwd_pipeline(**kw, qg_split=True)
+    with pytest.raises(ValueError, match="z_split must be a bool, got 1$"):
+        chunk_fwd_pipeline(**kw, z_split=1)
+    monkeypatch.setitem(defaults.FORWARD, "z_split", "on")
+    with pytest.raises(ValueError, match=r"z_split must be a bool, got 'on' \(from kernels.defaults.FORWARD\)"):
+        chunk_fwd_pipeline(**kw)
+    monkeypatch.undo()
+    d = dict(HV=4, K=128, V=128, dtype="bfloat16", use_dht=True, varlen=False)
+    off = chunk_dstate_pipeline(**d, split_ds=True)
+    on = chunk_dstate_pipeline(**d, split_ds=True, qg_split=True)
+    assert "QGL" not in off.inputs and on.inputs[on.inputs.index("GAM") + 1] == "QGL"
+    assert not {"split_dr", "qg_split"} & set(dict(off.launches[0].key[2:]))
+    assert len({chunk_dstate_pipeline(**d, split_ds=a, split_dr=b, qg_split=c).launches[0].key
+                for a in (False, True) for b in (False, True) for c in (False, True)}) == 8
+    for name in ("split_dr", "qg_split"):
+        with pytest.raises(ValueError, match=f"{name}=1 must be True or False"):
+            op.backward_pipeline(**kw, **{name: 1})
+    bwd = op.backward_pipeline(**kw, qg_split=True, split_dr=False)
+    assert "QGL" in bwd.inputs and "QGL" not in op.backward_pipeline(**kw, qg_split=False).inputs
+    # the training forward's default follows the backward's default
+    for v in (False, True):
+        monkeypatch.setitem(defaults.BACKWARD, "qg_split", v)
+        assert ("QGL" in chunk_fwd_pipeline(**kw, save_states=True).launches[0].args) == v
+    monkeypatch.undo()
 
 
 def _written_params(func) -> set:
