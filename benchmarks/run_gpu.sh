@@ -27,6 +27,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source .gpu/env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH GDN2_JAX_CACHE_DIR=$PWD/.kcache XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
+# tests/test_gradient_audit_gpu.py appends its ratios (ours and FLA per gradient and seed) here
+export GDN2_AUDIT_OUT=$OUT/gradaudit.txt
 STEPS=",${1:-build,tests},"
 step() { echo "=== [$(date +%T)] $*" | tee -a "$LOG"; }
 quiet() { grep -v "TileLang:tilelang.*INFO\|^$"; }

@@ -573,6 +573,40 @@ def test_gpu_intra_aqk_split_residual_vs_twin():
     assert r_sum < 0.7 * r_hi, (r_sum, r_hi)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gpu_z_split_brings_o_and_state_closer_to_fp64(seed):
+    """``z_split`` (the forward's default since session 16: U = A Z_hi + A Z_lo, Z = w v exact) against the same
+    pipeline without it, both against the fp64 token loop on the same quantised inputs (the benchmark's accuracy
+    case, spec distribution, B1 T512 H4): o and the final state must both get closer to fp64; and the training
+    forward's ``qg_split`` (QGL stored for the backward) leaves every other output and scratch buffer bit-identical."""
+    import torch
+
+    from benchmarks import bench_lib as L
+    from kernels import registry, torch_api
+
+    B, T, H, D = 1, 512, 4, 128
+    x = L.torch_inputs(B, T, H, H, seed=seed, g_scale=1.0)
+    L.torch_sync()
+    ref_o, ref_s = L.oracle_np(*(L.tnp(x[n]) for n in L.ARGS), L.tnp(x["h0"]), D ** -0.5)
+    cfg = registry.config(H=H, HV=H, K=D, V=D, dtype="bfloat16", g_dtype="float32", scale=D ** -0.5,
+                          use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    op = registry.get("chunk_gdn2")
+    err = {}
+    for zs in (False, True):
+        r = torch_api.run_pipeline(op.pipeline(**cfg, z_split=zs), x)
+        err[zs] = (L.rms(L.tnp(r["o"]), ref_o), L.rms(L.tnp(r["ht"]), ref_s))
+    assert err[True][0] < err[False][0] and err[True][1] < err[False][1], err
+    tr = {qs: torch_api.run_pipeline(op.pipeline(**cfg, save_states=True, qg_split=qs), x, return_scratch=True)
+          for qs in (False, True)}
+    torch.cuda.synchronize()
+    assert "QGL" in tr[True] and "QGL" not in tr[False]
+    for n, a in tr[False].items():
+        assert torch.equal(a, tr[True][n]), n
+    qg, qgl = (tr[True][n].double() for n in ("QG", "QGL"))
+    assert bool((qgl.abs() <= qg.abs() * 2.0 ** -8).all())  # a rounding residual: at most half a bf16 ulp
+
+
 def _dstate_twin(Aqk, Y, QG, KG, gam, do, dht):
     """fp64 reverse dS pass of one sequence (token-major [L, HV, .] arrays, gam [nc, HV, K]): the xla stages
     ``chunk_o.o_bwd`` (dR_o = Aqk^T dO, dS0_o = QG^T dO) and ``chunk_delta_h.state_bwd_recurrent`` per chunk, last
@@ -595,14 +629,19 @@ def _dstate_twin(Aqk, Y, QG, KG, gam, do, dht):
         return np.asarray(jnp.stack(dh)), dv, np.asarray(dS)
 
 
+_DSTATE_OPTS = ({}, {"split_ds": True}, {"split_ds": True, "split_dr": True}, {"split_ds": True, "qg_split": True})
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("varlen,split_ds", [(False, False), (True, False), (False, True), (True, True)])
-def test_gpu_dstate_launch_vs_xla_twin(varlen, split_ds):
-    """``kernels/chunk_bwd.py`` (the reverse state-gradient pass, not yet wired into the VJP), fed the forward
-    launch's own scratch (Aqk + AqkL, Y, QG, KG, GAM) and random dO / dht, against the fp64 twin on the same values:
-    every chunk's end-state gradient ``dh``, ``dv`` (= dR) and ``dh0``; NaN-poisoned outputs; bit-identical reruns.
-    Dense T = 200 (a partial last chunk) and packed sequences of 0, 70, 130 tokens; with and without ``split_ds``
-    (dS and dR as 16-bit values plus their rounding residuals: the training backward's default)."""
+@pytest.mark.parametrize("varlen,opts", [(v, o) for o in _DSTATE_OPTS for v in (False, True)])
+def test_gpu_dstate_launch_vs_xla_twin(varlen, opts):
+    """``gdn2_chunk_dstate`` (the reverse state-gradient pass), fed the training forward's own scratch (Aqk + AqkL,
+    Y, QG, KG, GAM and, with ``qg_split``, QG's rounding residual QGL) and random dO / dht, against the fp64 twin
+    on the same values (QG + QGL with ``qg_split``): every chunk's end-state gradient ``dh``, ``dv`` (= dR) and
+    ``dh0``; NaN-poisoned outputs; bit-identical reruns. Dense T = 200 (a partial last chunk) and packed sequences
+    of 0, 70, 130 tokens; the options off, ``split_ds`` (dS as 16-bit value plus residual), with ``split_dr`` (dR
+    too) and with ``qg_split`` (the training backward's default). With ``qg_split`` only dR's 16-bit rounding
+    in the Y^T dR product is left between the kernel and its twin, so dh and dh0 must be within 1e-3."""
     import torch
 
     from kernels import registry, torch_api
@@ -615,15 +654,15 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, split_ds):
     x["h0"] = np.random.default_rng(22).standard_normal((N, HV, K_, V_)).astype(np.float32)
     cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
                           use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)
-    t = {n: _torch(a) for n, a in x.items()}
-    if varlen:
-        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
-    fwd = torch_api.run_pipeline(registry.get("chunk_gdn2").pipeline(**cfg), t, return_scratch=True)
+    qgs = bool(opts.get("qg_split"))
+    t, fwd = _training_forward(registry.get("chunk_gdn2"), dict(cfg, qg_split=qgs), x, cu)
     rng = np.random.default_rng(23)
     do = _bf16(rng.standard_normal((B, T, HV, V_)))
     dht = rng.standard_normal((N, HV, K_, V_)).astype(np.float32)
-    pipe = chunk_dstate_pipeline(HV=HV, K=K_, V=V_, dtype="bfloat16", use_dht=True, varlen=varlen, split_ds=split_ds)
-    ins = {n: fwd[n] for n in ("Aqk", "AqkL", "Y", "QG", "KG", "GAM")}
+    pipe = chunk_dstate_pipeline(HV=HV, K=K_, V=V_, dtype="bfloat16", use_dht=True, varlen=varlen, **opts)
+    scn = ("Aqk", "AqkL", "Y", "QG", "KG", "GAM") + (("QGL",) if qgs else ())
+    assert ("QGL" in pipe.inputs) == qgs
+    ins = {n: fwd[n] for n in scn}
     ins.update(do=_torch(do), dht=_torch(dht))
     if varlen:
         ins["cu_seqlens"] = t["cu_seqlens"]
@@ -638,8 +677,9 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, split_ds):
     for n in ("dh", "dv", "dh0"):  # (chunk slots no sequence uses stay NaN, in both runs)
         torch.testing.assert_close(r1[n], r2[n], rtol=0, atol=0, equal_nan=True, msg=n)
     got = {n: _np(r1[n]) for n in ("dh", "dv", "dh0")}
-    sc = {n: _np(fwd[n]) for n in ("Aqk", "AqkL", "Y", "QG", "KG", "GAM")}
+    sc = {n: _np(fwd[n]) for n in scn}
     aqk = sc["Aqk"].astype(np.float64) + sc["AqkL"]
+    qg = sc["QG"].astype(np.float64) + (sc["QGL"] if qgs else 0.0)
     starts = cu[:-1] if varlen else [0] * N
     lens = np.diff(cu) if varlen else [T] * N
     for n_ in range(N):
@@ -650,12 +690,12 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, split_ds):
             np.testing.assert_array_equal(got["dh0"][n_], dht[n_])
             continue
         tk = slice(s0, s0 + L)
-        dh, dv, dh0 = _dstate_twin(aqk[bb, tk], sc["Y"][bb, tk], sc["QG"][bb, tk], sc["KG"][bb, tk],
+        dh, dv, dh0 = _dstate_twin(aqk[bb, tk], sc["Y"][bb, tk], qg[bb, tk], sc["KG"][bb, tk],
                                    sc["GAM"][bb, slot0:slot0 + nc], np.asarray(do[bb, tk], np.float32), dht[n_])
         for name, a, ref in (("dh", got["dh"][bb, slot0:slot0 + nc], dh), ("dv", got["dv"][bb, tk], dv),
                              ("dh0", got["dh0"][n_], dh0)):
             r = _gpu_rms(a, ref)
-            assert r <= 1e-2, (n_, name, r)
+            assert r <= (1e-3 if qgs and name != "dv" else 1e-2), (n_, name, r)
 
 
 def _training_forward(op, cfg, x, cu):
@@ -729,7 +769,8 @@ _BWD_VARIANTS = ({}, {"cast_grads": False}, {"intra_v2": False}, {"intra_v2": Fa
                  {"wy_load": "async", "wy_threads": 256},
                  {"wy_load": "tma", "wy_threads": 256}, {"wy_load": "sync", "wy_threads": 256},
                  {"wy_load": "sync", "wy_threads": 512},
-                 {"wy_load": "sync", "wy_tf32_round": True}, {"split_ds": False})
+                 {"wy_load": "sync", "wy_tf32_round": True}, {"split_ds": False}, {"split_dr": False},
+                 {"qg_split": True, "split_dr": False}, {"z_split": True, "qg_split": True, "split_dr": False})
 
 
 @pytest.mark.cuda
@@ -744,7 +785,8 @@ def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist, opts):
     sequences of 0, 70, 130 tokens (gates swept down to -60, mixed within a chunk); the default launches and the
     options of ``chunk_bwd_pipeline`` (intra version 1 with and without ``reg_diag``, version 2 with
     ``intra_tc`` and / or ``intra_fast_diag``; the WY launch's ``wy_load``
-    pipelines and ``wy_tf32_round``; ``split_ds``)."""
+    pipelines and ``wy_tf32_round``; ``split_ds``, ``split_dr``, ``qg_split`` and the training forward's
+    ``z_split``)."""
     import torch
 
     from gdn2_jax.xla import chunk as xc
@@ -758,10 +800,12 @@ def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist, opts):
     cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
                           use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)
     op = registry.get("chunk_gdn2")
-    t, fwd = _training_forward(op, cfg, x, cu)
+    pipe = op.backward_pipeline(**cfg, **opts)
+    # (the training forward with the variant's forward options; QGL when the variant's state pass reads it)
+    fwd_opts = dict({n: opts[n] for n in ("z_split",) if n in opts}, qg_split="QGL" in pipe.inputs)
+    t, fwd = _training_forward(op, dict(cfg, **fwd_opts), x, cu)
     rng = np.random.default_rng(33)
     do = _bf16(rng.standard_normal((B, T, HV, V_)))
-    pipe = op.backward_pipeline(**cfg, **opts)
     assert [la.name for la in pipe.launches] == ["gdn2_chunk_dstate", "gdn2_chunk_bwd_wy", "gdn2_chunk_bwd_intra"]
     ins = {n: (fwd[n] if n in fwd else t[n]) for n in pipe.inputs if n not in ("do", "dht")}
     ins.update(do=_torch(do), dht=_torch(rng.standard_normal((N, HV, K_, V_)).astype(np.float32)))

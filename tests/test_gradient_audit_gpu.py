@@ -1,0 +1,107 @@
+"""Gradient audit of the training path against FLA 0.6.0 on the same inputs (issue 7, deliverable 3; marked ``cuda``).
+
+The acceptance of issue 7 on the spec distribution: each of the seven gradients (q, k, v, g, b, w and the initial
+state) of ``sum(o·do) + sum(ht·dht)`` within 3.5e-3 of the fp64 oracle by RMS ratio, and never above FLA's ratio
+on the same quantised inputs. Here both run in one process: ``gdn2_jax.chunk_gdn2`` (the default backend, the
+TileLang forward and backward kernels through ``custom_vjp``) and FLA's ``chunk_gdn2`` autograd, against
+``benchmarks.bench_lib.oracle_grads_fp64`` (jax.grad of the fp64 token loop on the CPU). Inputs: the benchmark's
+gradient case (``bench.py::_acc_train``, B1 T256 H2, D = 128; q, k L2-normalised bf16, v = 0.5 N(0, 1), b, w
+~ U(0, 1), g ~ U(-5, -0.1) fp32, h0, do, dht ~ N(0, 1)), seed 77 as the benchmark plus five more. Each seed runs
+with ``kernels.defaults`` as they are and with the session-16 candidate options (:data:`CANDIDATE`); the first
+is marked as an expected failure while the candidate is not the default (its known gap is in the mark). Both runs
+also check that two calls give bit-identical gradients and that none is NaN or infinite. With
+``GDN2_AUDIT_OUT`` set (``benchmarks/run_gpu.sh`` does), each case appends its ratios, ours and FLA's, as one
+``GRADAUDIT`` JSON line.
+
+The rest of the audit lives beside the other backends' cases: ``tests/test_backends.py`` (swept magnitudes, g per
+channel down to -60 mixed within a chunk, b in [0, 2], correlated keys, ragged T, varlen with empty sequences, GVA,
+initial state; limits 1e-2 / 2e-2; bit-identical reruns), ``tests/test_tilelang_gpu.py`` (the torch path's
+gradients equal to the JAX path's) and ``tests/test_stages.py`` (each backward launch against its xla twin).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+SEEDS = (77, 1, 2, 3, 4, 5)
+LIMIT = 3.5e-3  # issue 7: each of the seven gradients on the spec distribution
+#: the precision options of session 16 (``kernels.defaults``): written and compiled on the CPU, not yet run on a
+#: GPU, so they are not the defaults yet; this audit decides (``docs/performance-notes.md``, session 16)
+CANDIDATE = dict(forward=dict(z_split=True), backward=dict(qg_split=True, split_dr=False))
+
+
+def _candidate_is_default():
+    from kernels import defaults
+
+    return all(defaults.FORWARD[n] == v for n, v in CANDIDATE["forward"].items()) and all(
+        defaults.BACKWARD[n] == v for n, v in CANDIDATE["backward"].items())
+
+
+@pytest.fixture
+def kernel_defaults(request, monkeypatch):
+    """``"default"``: ``kernels.defaults`` as they are; ``"candidate"``: with :data:`CANDIDATE` set (the memoised
+    pipelines and op functions are dropped before and after, so that the patched defaults select the kernels)."""
+    from gdn2_jax import _tilelang
+    from kernels import defaults, registry
+
+    def clear():
+        registry._pipeline.cache_clear()
+        _tilelang._make_op.cache_clear()
+
+    if request.param == "candidate":
+        for n, v in CANDIDATE["forward"].items():
+            monkeypatch.setitem(defaults.FORWARD, n, v)
+        for n, v in CANDIDATE["backward"].items():
+            monkeypatch.setitem(defaults.BACKWARD, n, v)
+    clear()
+    yield request.param
+    monkeypatch.undo()
+    clear()
+
+
+@pytest.mark.parametrize("kernel_defaults", [
+    pytest.param("default", marks=pytest.mark.xfail(
+        condition="not _candidate_is_default()", strict=False,
+        reason="session 10 (GPU): dh0 1.5-5.5% above FLA's, dq 0.5% above on seed 2, with the defaults of "
+               "sessions 10-15; the candidate options address both")),
+    "candidate"], indirect=True)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_seven_gradients_within_limit_and_never_above_fla(seed, kernel_defaults):
+    try:
+        import fla.ops.gdn2  # noqa: F401
+    except Exception as e:  # pragma: no cover - FLA needs triton and a GPU
+        pytest.skip(f"fla 0.6.0 not importable: {e}")
+    from benchmarks import bench_lib as L
+
+    B, T, H, D = 1, 256, 2, L.D
+    names = L.ARGS + ("h0",)
+    x = L.torch_inputs(B, T, H, H, seed=seed, g_scale=1.0)
+    do = L.randn((B, T, H, D), seed + 1)
+    dht = L.randn((B, H, D, D), seed + 2)
+    L.torch_sync()
+    ref = L.oracle_grads_fp64({n: L.tnp(x[n]) for n in names}, L.tnp(do), L.tnp(dht), D ** -0.5)
+    f = L.jax_grad_with_state_fn()
+    args = [L.to_jax(x[n]) for n in names] + [L.to_jax(do), L.to_jax(dht)]
+    grads = f(*args)
+    again = f(*args)
+    fla = L.fla_grads(x, do, dht)
+    row = {"seed": seed, "kernels": kernel_defaults}
+    for n, gr, gr2 in zip(names, grads, again):
+        a = np.asarray(gr)
+        assert np.array_equal(a.view(np.uint8), np.asarray(gr2).view(np.uint8)), f"d{n}: reruns differ"
+        assert np.all(np.isfinite(a.astype(np.float32))), f"d{n}: not finite"
+        row[f"ours:d{n}"] = L.rms(a.astype(np.float64), ref[f"d{n}"])
+        row[f"fla:d{n}"] = L.rms(L.tnp(fla[f"d{n}"]), ref[f"d{n}"])
+    path = os.environ.get("GDN2_AUDIT_OUT")  # (the GPU driver collects the ratios: benchmarks/run_gpu.sh)
+    if path:
+        with open(path, "a") as fh:
+            fh.write("GRADAUDIT " + json.dumps(row) + "\n")
+    bad = [f"d{n}: ours {row[f'ours:d{n}']:.3e} vs fla {row[f'fla:d{n}']:.3e}" for n in names
+           if not (row[f"ours:d{n}"] <= LIMIT and row[f"ours:d{n}"] <= row[f"fla:d{n}"])]
+    assert not bad, f"seed {seed} ({kernel_defaults}): " + "; ".join(bad)
