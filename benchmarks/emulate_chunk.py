@@ -2,6 +2,7 @@
 before spending GPU time. A development probe, not a test: the real kernels are measured on the GPU.
 
     python -m benchmarks.emulate_chunk [--seeds 0,1,2,3] [--T 512] [--H 4] [--ablations]
+    python -m benchmarks.emulate_chunk --dstate [--seeds 0,1,2]     # dh0 of the reverse state pass
 
 It recomputes launch 1 and launch 2 in numpy with every rounding point of the kernels: bf16 inputs and scratch
 (Aqk, Y, U, QG, KG), fp32 cumulative decay (base 2), TF32 operands of the anchored products and of the Neumann
@@ -54,8 +55,11 @@ def inputs(seed, B, T, H, K=128, V=128):
                 h0=rng.standard_normal((B, H, K, V)).astype(np.float32))
 
 
-def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, aqk_split=False, keep32=()):
-    """Launch 1 for one chunk of one head (rows [C, K]); returns Aqk, Y, U, QG, KG (bf16 values) and GAM."""
+def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, aqk_split=False, keep32=(), z_split=False,
+          qg_split=False):
+    """Launch 1 for one chunk of one head (rows [C, K]); returns Aqk, Y, U, QG, KG (bf16 values) and GAM.
+    ``z_split``: U from the exact w v (its bf16 rounding plus residual, two products); ``qg_split``: QG returned
+    as bf16 plus its bf16 rounding residual (the training forward's QGL, summed here)."""
     K = q.shape[-1]
     G = np.zeros((C, K), np.float32)
     for d0 in range(0, K, DC):  # the kernel's cumulative sum is per slice, in fp32
@@ -112,7 +116,7 @@ def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, aqk_split=Fa
     M = (np.eye(C, dtype=np.float32) - N1 + N2 - N3).astype(np.float32)
     A = bf16(mm(M, D))
     Ebs = bf16(bk * np.exp2(G))
-    Zs = bf16(w * v)
+    Zs = (w * v).astype(np.float32) if z_split else bf16(w * v)  # (exact: two 8-bit significands)
 
     def st(name, val):  # scratch store: bf16 unless the ablation keeps it in fp32
         return np.asarray(val, np.float32) if name in keep32 else bf16(val)
@@ -120,6 +124,9 @@ def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, aqk_split=Fa
     Y = st("Y", A.astype(np.float64) @ Ebs)
     U = st("U", A.astype(np.float64) @ Zs)
     QG = st("QG", scale * q * np.exp2(G))
+    if qg_split:
+        qg32 = (scale * q * np.exp2(G)).astype(np.float32)
+        QG = QG.astype(np.float64) + bf16(qg32 - QG)
     KG = st("KG", k * np.exp2(G[-1] - G))
     Aqk = st("Aqk", Qk)
     if aqk_split:  # bf16 + its bf16 rounding residual, two products in launch 2
@@ -161,6 +168,7 @@ VARIANTS = {
     "v5 + exact_self, rn": dict(diag="tf32", mode="rn", exact_self=True),
     "v5 + aqk_split (trunc)": dict(diag="tf32", mode="trunc", aqk_split=True),
     "v5 + all three options": dict(diag="tf32", mode="rn", exact_self=True, aqk_split=True),
+    "v5 + aqk_split + z_split": dict(diag="tf32", mode="trunc", aqk_split=True, z_split=True),
 }
 ABLATIONS = {  # on top of "v5 + exact_self, rn": which rounding points carry the error
     "+ Aqk fp32": dict(keep32=("Aqk",)),
@@ -175,6 +183,57 @@ ABLATIONS = {  # on top of "v5 + exact_self, rn": which rounding points carry th
 }
 
 
+def _split(x):
+    hi = bf16(x).astype(np.float64)
+    return hi + bf16(x - hi)
+
+
+def dstate(x, do, dht, scale, *, split_ds=True, split_dr=True, **kw):
+    """The reverse state pass (``kernels/chunk_bwd.py::_dstate_prim``) over the emulated forward scratch, dense
+    inputs; returns dh0 [B, H, K, V]. dS and dR enter their products as bf16 (plus residuals with ``split_ds`` /
+    ``split_dr``), the products accumulate exactly (float64 here)."""
+    B, T, H, K = x["q"].shape
+    out = np.zeros((B, H, K, do.shape[-1]))
+    for bb in range(B):
+        for h in range(H):
+            dS = dht[bb, h].astype(np.float64)
+            scr = [intra(*(x[n][bb, c0:c0 + C, h] for n in ("q", "k", "g", "b", "v", "w")), scale, **kw)
+                   for c0 in range(0, T, C)]
+            for ci in reversed(range(len(scr))):
+                Aqk, Y, _, QG, KG, GAM = scr[ci]
+                dO = do[bb, ci * C:(ci + 1) * C, h].astype(np.float64)
+                Sb = _split(dS) if split_ds else bf16(dS).astype(np.float64)
+                dR = (KG.astype(np.float64) @ Sb + Aqk.astype(np.float64).T @ dO).astype(np.float32)
+                dRb = _split(dR) if split_dr else bf16(dR).astype(np.float64)
+                dS = dS * GAM[:, None] + QG.astype(np.float64).T @ dO - Y.astype(np.float64).T @ dRb
+            out[bb, h] = dS
+    return out
+
+
+DSTATE_VARIANTS = {  # forward intra options + state-pass options
+    "session 15 default (split_ds = dS and dR)": dict(diag="tf32", mode="trunc", aqk_split=True),
+    "dS split only": dict(diag="tf32", mode="trunc", aqk_split=True, split_dr=False),
+    "qg_split, dS split (candidate)": dict(diag="tf32", mode="trunc", aqk_split=True, split_dr=False, qg_split=True),
+    "qg_split + z_split, dS split": dict(diag="tf32", mode="trunc", aqk_split=True, split_dr=False, qg_split=True,
+                                         z_split=True),
+}
+
+
+def main_dstate(seeds, T, H):
+    """dh0's RMS ratio vs the fp64 gradient (``bench_lib.oracle_grads_fp64``) per :data:`DSTATE_VARIANTS`."""
+    from benchmarks.bench_lib import oracle_grads_fp64, rms
+
+    scale = 128 ** -0.5
+    for seed in seeds:
+        x = inputs(seed, 1, T, H)
+        rng = np.random.default_rng(seed + 1000)
+        do = bf16(rng.standard_normal((1, T, H, 128)))
+        dht = rng.standard_normal((1, H, 128, 128)).astype(np.float32)
+        ref = oracle_grads_fp64(x, do, dht, scale)["dh0"]
+        for name, kw in DSTATE_VARIANTS.items():
+            print(f"seed {seed} {name:44s} dh0 {rms(dstate(x, do, dht, scale, **kw), ref):.4e}", flush=True)
+
+
 def main(argv=None):
     from benchmarks.bench_lib import oracle_np, rms
 
@@ -183,7 +242,11 @@ def main(argv=None):
     ap.add_argument("--T", type=int, default=512)
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--ablations", action="store_true")
+    ap.add_argument("--dstate", action="store_true", help="dh0 of the reverse state pass instead (T 256, H 2 "
+                    "unless given)")
     a = ap.parse_args(argv)
+    if a.dstate:
+        return main_dstate([int(s) for s in a.seeds.split(",")], a.T if a.T != 512 else 256, a.H if a.H != 4 else 2)
     scale = 128 ** -0.5
     variants = dict(VARIANTS)
     if a.ablations:

@@ -57,27 +57,36 @@ def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
 
 
 @contextlib.contextmanager
-def _switches(kernel_backward=None, factored=None, levels=None, options=None):
+def _switches(kernel_backward=None, factored=None, levels=None, options=None, forward=None):
     """Set the training path's module switches for the block (None keeps one), then restore them; the memoised
     op functions are dropped on entry and exit so that the next trace sees the switches as set:
-    ``gdn2_jax._tilelang.KERNEL_BACKWARD`` / ``KERNEL_BACKWARD_OPTIONS`` and
-    ``gdn2_jax.xla.chunk._FACTORED_INTRA`` / ``_FACTORED_LEVELS``."""
+    ``gdn2_jax._tilelang.KERNEL_BACKWARD`` / ``KERNEL_BACKWARD_OPTIONS``,
+    ``gdn2_jax.xla.chunk._FACTORED_INTRA`` / ``_FACTORED_LEVELS`` and ``forward``, entries of
+    ``kernels.defaults.FORWARD`` (the forward pipelines of the inference and training paths; the memoised
+    pipelines of ``kernels.registry`` are dropped too)."""
     from gdn2_jax import _tilelang
     from gdn2_jax.xla import chunk as xla_chunk
+    from kernels import defaults, registry
 
     targets = [(_tilelang, "KERNEL_BACKWARD", kernel_backward), (_tilelang, "KERNEL_BACKWARD_OPTIONS", options),
                (xla_chunk, "_FACTORED_INTRA", factored), (xla_chunk, "_FACTORED_LEVELS", levels)]
     saved = [(m, n, getattr(m, n)) for m, n, _ in targets]
+    fwd_saved = dict(defaults.FORWARD)
     try:
         for m, n, val in targets:
             if val is not None:
                 setattr(m, n, val)
+        defaults.FORWARD.update(forward or {})
         _tilelang._make_op.cache_clear()
+        registry._pipeline.cache_clear()
         yield
     finally:
         for m, n, val in saved:
             setattr(m, n, val)
+        defaults.FORWARD.clear()
+        defaults.FORWARD.update(fwd_saved)
         _tilelang._make_op.cache_clear()
+        registry._pipeline.cache_clear()
 
 
 GRAD_VARIANTS = {  # name -> _switches of the backward
@@ -89,10 +98,16 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
     "split_ds": dict(kernel_backward=True, options={"split_ds": True}),
     "no_split_ds": dict(kernel_backward=True, options={"split_ds": False}),
     "wy_round": dict(kernel_backward=True, options={"wy_load": "sync", "wy_tf32_round": True}),
-    "no_cast": dict(kernel_backward=True, options={"cast_grads": False})}
+    "no_cast": dict(kernel_backward=True, options={"cast_grads": False}),
+    "no_split_dr": dict(kernel_backward=True, options={"split_dr": False}),
+    "qg_split": dict(kernel_backward=True, options={"qg_split": True, "split_dr": False}),
+    "z_split": dict(kernel_backward=True, forward={"z_split": True}),
+    "candidate": dict(kernel_backward=True, options={"qg_split": True, "split_dr": False},
+                      forward={"z_split": True})}  # (session 16's options, tests/test_gradient_audit_gpu.py)
 
 # training-forward variants timed by --train-launches beside the default (kernels.defaults.FORWARD: prefetch on)
-FWD_LAUNCH_VARIANTS = {"nopre:": dict(intra_prefetch=False)}
+FWD_LAUNCH_VARIANTS = {"nopre:": dict(intra_prefetch=False), "z:": dict(z_split=True), "qg:": dict(qg_split=True),
+                       "zqg:": dict(z_split=True, qg_split=True)}
 # the backward variants that ``--train-launches`` times beside the default (tag -> chunk_bwd_pipeline options)
 BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "fd": dict(intra_fast_diag=True),
                        "tcfd": dict(intra_tc=True, intra_fast_diag=True),
@@ -100,7 +115,8 @@ BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "f
                        "tma": dict(wy_load="tma", wy_threads=256),
                        "sync512": dict(wy_load="sync", wy_threads=512),
                        "async512": dict(wy_load="async", wy_threads=512), "nosplit": dict(split_ds=False),
-                       "nocast": dict(cast_grads=False)}
+                       "nocast": dict(cast_grads=False), "nosplitdr": dict(split_dr=False),
+                       "qg": dict(qg_split=True, split_dr=False)}
 
 
 def grad_accuracy(variants, seeds=(77, 1, 2), shape=(1, 256, 2)):
@@ -263,10 +279,15 @@ def time_train_launches(shapes, once=0):
                               varlen=False, use_qk_l2norm=False)
         row = {"B": B, "T": T, "H": H}
         fwd = op.pipeline(**cfg, save_states=True)
+        pick = os.environ.get("TLAUNCH_VARIANTS")  # (a comma list of tags: only those variants, both tables)
+        pick = None if pick is None else {t.strip().rstrip(":") for t in pick.split(",")}
+        fwd_variants = {t: o for t, o in FWD_LAUNCH_VARIANTS.items() if pick is None or t.rstrip(":") in pick}
         bwds = {"": op.backward_pipeline(**cfg), **{f"{tag}:": op.backward_pipeline(**cfg, **o)
-                                                     for tag, o in BWD_LAUNCH_VARIANTS.items()}}
+                                                     for tag, o in BWD_LAUNCH_VARIANTS.items()
+                                                     if pick is None or tag in pick}}
         bwd = bwds[os.environ.get("BWD_VARIANT", "")] if once else bwds[""]  # (ncu: BWD_VARIANT=tma: etc.)
         if once:
+            fwd = op.pipeline(**cfg, save_states=True, qg_split="QGL" in bwd.inputs)
             for _ in range(once):
                 res = torch_api.run_pipeline(fwd, x, return_scratch=True)
                 ins = {n: (res[n] if n in res else x[n]) for n in bwd.inputs if n not in ("do", "dht")}
@@ -276,11 +297,14 @@ def time_train_launches(shapes, once=0):
             return
         for la, fn in bench_lib.stage_callables(fwd, x):
             row[f"fwd:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
-        for tag, o in FWD_LAUNCH_VARIANTS.items():  # (not in the total)
+        for tag, o in fwd_variants.items():  # (not in the total)
             for la, fn in bench_lib.stage_callables(op.pipeline(**cfg, save_states=True, **o), x):
                 row[f"{tag}fwd:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
-        res = torch_api.run_pipeline(fwd, x, return_scratch=True)
-        ins = {n: (res[n] if n in res else x[n]) for n in bwd.inputs if n not in ("do", "dht")}
+        # (the backward inputs from a forward that also stores QGL, for the variants that read it; its other
+        # buffers are bit-identical to the default's, tests/test_stages.py)
+        res = torch_api.run_pipeline(op.pipeline(**cfg, save_states=True, qg_split=True), x, return_scratch=True)
+        ins = {n: (res[n] if n in res else x[n]) for n in set().union(*(p.inputs for p in bwds.values()))
+               if n not in ("do", "dht")}
         ins["do"] = torch.randn_like(res["o"])
         ins["dht"] = torch.randn_like(res["ht"])
         for tag, pipe in bwds.items():  # the default backward, then experimental variants (``tag`` prefixed)
