@@ -96,7 +96,7 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
     "intra_tc": dict(kernel_backward=True, options={"intra_tc": True}),
     "fast_diag": dict(kernel_backward=True, options={"intra_fast_diag": True}),
     "split_ds": dict(kernel_backward=True, options={"split_ds": True}),
-    "no_split_ds": dict(kernel_backward=True, options={"split_ds": False}),
+    "no_split_ds": dict(kernel_backward=True, options={"split_ds": False, "split_dr": False}),
     "wy_round": dict(kernel_backward=True, options={"wy_load": "sync", "wy_tf32_round": True}),
     "no_cast": dict(kernel_backward=True, options={"cast_grads": False}),
     "no_split_dr": dict(kernel_backward=True, options={"split_dr": False}),
@@ -114,7 +114,8 @@ BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "f
                        "sync256": dict(wy_load="sync", wy_threads=256), "async": dict(wy_load="async", wy_threads=256),
                        "tma": dict(wy_load="tma", wy_threads=256),
                        "sync512": dict(wy_load="sync", wy_threads=512),
-                       "async512": dict(wy_load="async", wy_threads=512), "nosplit": dict(split_ds=False),
+                       "async512": dict(wy_load="async", wy_threads=512),
+                       "nosplit": dict(split_ds=False, split_dr=False),
                        "nocast": dict(cast_grads=False), "nosplitdr": dict(split_dr=False),
                        "qg": dict(qg_split=True, split_dr=False)}
 
@@ -285,7 +286,8 @@ def time_train_launches(shapes, once=0):
         bwds = {"": op.backward_pipeline(**cfg), **{f"{tag}:": op.backward_pipeline(**cfg, **o)
                                                      for tag, o in BWD_LAUNCH_VARIANTS.items()
                                                      if pick is None or tag in pick}}
-        bwd = bwds[os.environ.get("BWD_VARIANT", "")] if once else bwds[""]  # (ncu: BWD_VARIANT=tma: etc.)
+        tag = os.environ.get("BWD_VARIANT", "").rstrip(":") if once else ""  # (ncu: BWD_VARIANT=tma: etc.)
+        bwd = op.backward_pipeline(**cfg, **BWD_LAUNCH_VARIANTS[tag]) if tag else bwds[""]  # (whatever the filter)
         if once:
             fwd = op.pipeline(**cfg, save_states=True, qg_split="QGL" in bwd.inputs)
             for _ in range(once):

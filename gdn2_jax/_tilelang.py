@@ -310,7 +310,7 @@ def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple):
 
     bwd = op.backward_pipeline(**cfg, **KERNEL_BACKWARD_OPTIONS)
     # (the forward stores QG's rounding residual exactly when the backward's state pass reads it)
-    train = op.pipeline(**cfg, save_states=True, qg_split="QGL" in bwd.inputs)
+    train = op.pipeline(**dict(cfg, save_states=True, qg_split="QGL" in bwd.inputs))
     local = "dq" in {b.name for b in bwd.outputs}  # False: the state pass only, the rest in jnp
     made = {b.name for b in tuple(train.scratch) + tuple(train.outputs)}
     sc = tuple(n for n in bwd.inputs if n in made)

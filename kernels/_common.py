@@ -29,6 +29,15 @@ def drop_params(func, keep, order=()):
     return type(func)(params, func.body, func.ret_type, {p: func.buffer_map[p] for p in params}, func.attrs)
 
 
+def rounding_residual(x, dtype: str):
+    """``x - round(x)``, the fp32 value ``x``'s rounding to ``dtype`` subtracted from it, stored in ``dtype``
+    (TileLang expression, inside a kernel): the second operand of a split product, ``round(x)`` + this residual
+    carrying twice the mantissa bits of ``dtype``."""
+    import tilelang.language as T
+
+    return T.cast(x - T.cast(T.cast(x, dtype), "float32"), dtype)
+
+
 def tf32_operand(x, rounded: bool):
     """The fp32 value ``x`` as a TF32 tensor-core operand (TileLang expression, inside a kernel).
 

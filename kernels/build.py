@@ -85,8 +85,9 @@ def preset(name: str) -> list[dict]:
                     dict(wy_load="async", wy_threads=256),
                     dict(wy_load="async", wy_threads=512), dict(wy_load="tma", wy_threads=256),
                     dict(wy_load="sync", wy_threads=256), dict(wy_load="sync", wy_threads=512),
-                    dict(wy_load="sync", wy_threads=256, wy_tf32_round=True), dict(split_ds=False),
-                    dict(cast_grads=False), dict(split_dr=False), dict(qg_split=True),
+                    dict(wy_load="sync", wy_threads=256, wy_tf32_round=True),
+                    dict(split_ds=False, split_dr=False), dict(cast_grads=False), dict(split_dr=False),
+                    dict(qg_split=True),
                     dict(qg_split=True, split_dr=False), dict(z_split=True),
                     dict(z_split=True, qg_split=True, split_dr=False))
     bench += [dict(cfg(32, 32, 128), **o) for o in bwd_variants]
@@ -107,7 +108,8 @@ def preset(name: str) -> list[dict]:
              cfg(1, 1, 128, 64, dtype="float16")]
     tests += casts + [dict(c, cast_grads=False) for c in casts]
     # the session-16 precision candidate (tests/test_gradient_audit_gpu.py, test_stages.py's z_split test)
-    tests += [dict(cfg(2, 2, 128), z_split=True, qg_split=True, split_dr=False), dict(cfg(4, 4, 128), z_split=True)]
+    tests += [dict(cfg(2, 2, 128), z_split=True, qg_split=True, split_dr=False), dict(cfg(4, 4, 128), z_split=True),
+              dict(cfg(4, 4, 128), z_split=True, intra_prefetch=False), dict(cfg(4, 4, 128), qg_split=True)]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
         dict(cfg(2, 4, 128), aqk_split=False), dict(cfg(2, 4, 128), exact_diag=True)]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,

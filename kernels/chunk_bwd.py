@@ -24,7 +24,7 @@ still jnp (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
 
 from . import registry
-from ._common import CHUNK, LOG2E, drop_params, tf32_operand
+from ._common import CHUNK, LOG2E, drop_params, rounding_residual, tf32_operand
 from ._pipeline import Buf, Launch, Pipeline
 from .chunk_fwd import locate_chunk, seq_span, sizes_fn
 
@@ -115,7 +115,7 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                 T.copy(dS, Sb)
                 if split_ds:
                     for i, e in T.Parallel(K, BV):
-                        SbL[i, e] = T.cast(dS[i, e] - T.cast(T.cast(dS[i, e], dtype), acc), dtype)
+                        SbL[i, e] = rounding_residual(dS[i, e], dtype)
                 T.gemm(Ks, Sb, dRf, clear_accum=True)            # KG dS
                 if split_ds:
                     T.gemm(Ks, SbL, dRf)
@@ -129,9 +129,7 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                     dRb[r, e] = T.if_then_else(j * C + r < ln, T.cast(-dRf[r, e], dtype), T.cast(0, dtype))
                 if split_dr:
                     for r, e in T.Parallel(C, BV):
-                        dRbL[r, e] = T.if_then_else(j * C + r < ln,
-                                                    T.cast(-dRf[r, e] - T.cast(T.cast(-dRf[r, e], dtype), acc),
-                                                           dtype),
+                        dRbL[r, e] = T.if_then_else(j * C + r < ln, rounding_residual(-dRf[r, e], dtype),
                                                     T.cast(0, dtype))
                 for i, e in T.Parallel(K, BV):
                     dS[i, e] = dS[i, e] * gs[i]

@@ -38,7 +38,7 @@ docs/performance-notes.md, session 4.
 """
 
 from . import defaults, registry
-from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params, tf32_operand
+from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params, rounding_residual, tf32_operand
 from ._pipeline import Buf, Launch, Pipeline
 
 __all__ = ["chunk_fwd_pipeline", "num_chunk_slots"]
@@ -399,10 +399,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             QG[bb, t0 + r, hv, dc * DC + d] = T.cast(
                                 scale * T.cast(qkel(qc, cur, r, d), acc) * T.exp2(Gc[r, d]), dtype)
                             if qg_split:  # its rounding residual (training forward, for the reverse state pass)
-                                QGL[bb, t0 + r, hv, dc * DC + d] = T.cast(
-                                    scale * T.cast(qkel(qc, cur, r, d), acc) * T.exp2(Gc[r, d]) - T.cast(T.cast(
-                                        scale * T.cast(qkel(qc, cur, r, d), acc) * T.exp2(Gc[r, d]), dtype), acc),
-                                    dtype)
+                                QGL[bb, t0 + r, hv, dc * DC + d] = rounding_residual(
+                                    scale * T.cast(qkel(qc, cur, r, d), acc) * T.exp2(Gc[r, d]), dtype)
                             KG[bb, t0 + r, hv, dc * DC + d] = T.cast(
                                 T.cast(qkel(kc, cur, r, d), acc) * T.exp2(Gc[C - 1, d] - Gc[r, d]), dtype)
                     for d in T.Parallel(DC):
@@ -465,7 +463,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     if r < valid:
                         Aqk[bb, t0 + r, hv, c] = T.cast(Qk[r, c], dtype)
                         if aqk_split:  # the rounding residual, so that Aqk + AqkL carries 16 mantissa bits
-                            AqkL[bb, t0 + r, hv, c] = T.cast(Qk[r, c] - T.cast(T.cast(Qk[r, c], dtype), acc), dtype)
+                            AqkL[bb, t0 + r, hv, c] = rounding_residual(Qk[r, c], dtype)
 
                 # ---- (I + T)^-1 ----
                 if tx < C:
@@ -505,8 +503,9 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     T.ptx_wait_group(0)
                     T.sync_threads()
                 if z_split:
-                    # Z = w v is exact in fp32 (two 8- or 11-bit significands) and exact as its 16-bit rounding
-                    # plus that rounding's residual: U = A Z_hi + A Z_lo (Uf holds Z until its products clear it)
+                    # Z = w v is exact in fp32 (two 8- or 11-bit significands) and, for bf16, exact as its 16-bit
+                    # rounding plus that rounding's residual (fp16: but where the residual falls below fp16's
+                    # normal range): U = A Z_hi + A Z_lo (Uf holds Z until its products clear it)
                     for r, e in T.Parallel(C, V):
                         if prefetch:
                             Uf[r, e] = T.cast(wS[r, e], acc) * T.cast(Zs[r, e], acc)
@@ -516,9 +515,9 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     for r, e in T.Parallel(C, V):
                         Zs[r, e] = T.cast(Uf[r, e], dtype)
                         if prefetch:
-                            wS[r, e] = T.cast(Uf[r, e] - T.cast(T.cast(Uf[r, e], dtype), acc), dtype)
+                            wS[r, e] = rounding_residual(Uf[r, e], dtype)
                         else:
-                            ZsL[r, e] = T.cast(Uf[r, e] - T.cast(T.cast(Uf[r, e], dtype), acc), dtype)
+                            ZsL[r, e] = rounding_residual(Uf[r, e], dtype)
                 elif prefetch:
                     for r, e in T.Parallel(C, V):
                         Zs[r, e] = T.cast(T.cast(wS[r, e], acc) * T.cast(Zs[r, e], acc), dtype)
@@ -676,9 +675,10 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     results; see ``_intra_prim``).
     ``z_split`` (default from ``kernels.defaults.FORWARD``): launch 1 forms ``U = A (w v)`` as two 16-bit
     tensor-core products, ``A Z_hi + A Z_lo``, where ``Z_hi`` is ``w v`` rounded to the input dtype and ``Z_lo``
-    its rounding residual: ``w v`` of two 16-bit inputs is exact in fp32 and in that pair, so U no longer carries
-    the rounding of its right-hand side, which (I + T)^-1 amplifies (FLA rounds it: spec §6 2c). Changes the
-    results (o and the final state closer to fp64; ``docs/performance-notes.md``, session 16).
+    its rounding residual: ``w v`` of two 16-bit inputs is exact in fp32 and, for bf16, in that pair (fp16: up to
+    residuals below fp16's normal range, 2^-14), so U no longer carries the rounding of its right-hand side, which
+    (I + T)^-1 amplifies (FLA rounds it: spec §6 2c). Changes the results (o and the final state closer to fp64 in
+    the CPU emulation; ``docs/performance-notes.md``, session 16).
     ``qg_split`` (training forward only; default: on when ``save_states`` and
     ``kernels.defaults.BACKWARD["qg_split"]``): launch 1 also stores ``QGL``, the rounding residual of QG in the
     input dtype, for the reverse state pass (``kernels.chunk_bwd.chunk_dstate_pipeline``); the forward's results

@@ -8,8 +8,9 @@ TileLang forward and backward kernels through ``custom_vjp``) and FLA's ``chunk_
 gradient case (``bench.py::_acc_train``, B1 T256 H2, D = 128; q, k L2-normalised bf16, v = 0.5 N(0, 1), b, w
 ~ U(0, 1), g ~ U(-5, -0.1) fp32, h0, do, dht ~ N(0, 1)), seed 77 as the benchmark plus five more. Each seed runs
 with ``kernels.defaults`` as they are and with the session-16 candidate options (:data:`CANDIDATE`); the first
-is marked as an expected failure while the candidate is not the default (its known gap is in the mark). Both runs
-also check that two calls give bit-identical gradients and that none is NaN or infinite. With
+is an expected failure (``pytest.xfail``, after its other checks) where it misses the FLA comparison while the
+candidate is not the default (:data:`KNOWN_GAP`). Both runs first check that two calls give bit-identical
+gradients and that none is NaN or infinite. The oracle's and FLA's gradients are computed once per seed. With
 ``GDN2_AUDIT_OUT`` set (``benchmarks/run_gpu.sh`` does), each case appends its ratios, ours and FLA's, as one
 ``GRADAUDIT`` JSON line.
 
@@ -21,6 +22,7 @@ gradients equal to the JAX path's) and ``tests/test_stages.py`` (each backward l
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -65,18 +67,15 @@ def kernel_defaults(request, monkeypatch):
     clear()
 
 
-@pytest.mark.parametrize("kernel_defaults", [
-    pytest.param("default", marks=pytest.mark.xfail(
-        condition="not _candidate_is_default()", strict=False,
-        reason="session 10 (GPU): dh0 1.5-5.5% above FLA's, dq 0.5% above on seed 2, with the defaults of "
-               "sessions 10-15; the candidate options address both")),
-    "candidate"], indirect=True)
-@pytest.mark.parametrize("seed", SEEDS)
-def test_seven_gradients_within_limit_and_never_above_fla(seed, kernel_defaults):
-    try:
-        import fla.ops.gdn2  # noqa: F401
-    except Exception as e:  # pragma: no cover - FLA needs triton and a GPU
-        pytest.skip(f"fla 0.6.0 not importable: {e}")
+#: why the defaults may still fail the FLA comparison (checked with ``pytest.xfail`` only after every other assert)
+KNOWN_GAP = ("session 10 (GPU): dh0 1.5-5.5% above FLA's and dq 0.5% above on seed 2 with the defaults of sessions "
+             "10-15; the candidate addresses dh0 (CPU emulation) and the states dq comes from (dq not emulated)")
+
+
+@functools.lru_cache(maxsize=None)
+def _case(seed):
+    """The inputs of one seed (torch, on the GPU), the fp64 oracle's gradients and FLA's RMS ratios: computed once
+    per seed, shared by both kernel configurations."""
     from benchmarks import bench_lib as L
 
     B, T, H, D = 1, 256, 2, L.D
@@ -86,22 +85,38 @@ def test_seven_gradients_within_limit_and_never_above_fla(seed, kernel_defaults)
     dht = L.randn((B, H, D, D), seed + 2)
     L.torch_sync()
     ref = L.oracle_grads_fp64({n: L.tnp(x[n]) for n in names}, L.tnp(do), L.tnp(dht), D ** -0.5)
+    fla = L.fla_grads(x, do, dht)
+    return x, do, dht, ref, {f"d{n}": L.rms(L.tnp(fla[f"d{n}"]), ref[f"d{n}"]) for n in names}
+
+
+@pytest.mark.parametrize("kernel_defaults", ["default", "candidate"], indirect=True)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_seven_gradients_within_limit_and_never_above_fla(seed, kernel_defaults):
+    try:
+        import fla.ops.gdn2  # noqa: F401
+    except Exception as e:  # pragma: no cover - FLA needs triton and a GPU
+        pytest.skip(f"fla 0.6.0 not importable: {e}")
+    from benchmarks import bench_lib as L
+
+    names = L.ARGS + ("h0",)
+    x, do, dht, ref, fla = _case(seed)
     f = L.jax_grad_with_state_fn()
     args = [L.to_jax(x[n]) for n in names] + [L.to_jax(do), L.to_jax(dht)]
     grads = f(*args)
     again = f(*args)
-    fla = L.fla_grads(x, do, dht)
     row = {"seed": seed, "kernels": kernel_defaults}
     for n, gr, gr2 in zip(names, grads, again):
         a = np.asarray(gr)
         assert np.array_equal(a.view(np.uint8), np.asarray(gr2).view(np.uint8)), f"d{n}: reruns differ"
         assert np.all(np.isfinite(a.astype(np.float32))), f"d{n}: not finite"
         row[f"ours:d{n}"] = L.rms(a.astype(np.float64), ref[f"d{n}"])
-        row[f"fla:d{n}"] = L.rms(L.tnp(fla[f"d{n}"]), ref[f"d{n}"])
+        row[f"fla:d{n}"] = fla[f"d{n}"]
     path = os.environ.get("GDN2_AUDIT_OUT")  # (the GPU driver collects the ratios: benchmarks/run_gpu.sh)
     if path:
         with open(path, "a") as fh:
             fh.write("GRADAUDIT " + json.dumps(row) + "\n")
     bad = [f"d{n}: ours {row[f'ours:d{n}']:.3e} vs fla {row[f'fla:d{n}']:.3e}" for n in names
            if not (row[f"ours:d{n}"] <= LIMIT and row[f"ours:d{n}"] <= row[f"fla:d{n}"])]
+    if bad and kernel_defaults == "default" and not _candidate_is_default():
+        pytest.xfail(f"{KNOWN_GAP}; seed {seed}: " + "; ".join(bad))
     assert not bad, f"seed {seed} ({kernel_defaults}): " + "; ".join(bad)

@@ -576,10 +576,11 @@ def test_gpu_intra_aqk_split_residual_vs_twin():
 @pytest.mark.cuda
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gpu_z_split_brings_o_and_state_closer_to_fp64(seed):
-    """``z_split`` (the forward's default since session 16: U = A Z_hi + A Z_lo, Z = w v exact) against the same
-    pipeline without it, both against the fp64 token loop on the same quantised inputs (the benchmark's accuracy
-    case, spec distribution, B1 T512 H4): o and the final state must both get closer to fp64; and the training
-    forward's ``qg_split`` (QGL stored for the backward) leaves every other output and scratch buffer bit-identical."""
+    """``z_split`` (session 16, off by default: U = A Z_hi + A Z_lo, Z = w v exact) against the same pipeline
+    without it, both against the fp64 token loop on the same quantised inputs (the benchmark's accuracy case, spec
+    distribution, B1 T512 H4): o and the final state must both get closer to fp64, and launch 1 with ``z_split``
+    must give the same bits with and without ``intra_prefetch`` (its promise); the training forward's
+    ``qg_split`` (QGL stored for the backward) leaves every other output and scratch buffer bit-identical."""
     import torch
 
     from benchmarks import bench_lib as L
@@ -592,11 +593,15 @@ def test_gpu_z_split_brings_o_and_state_closer_to_fp64(seed):
     cfg = registry.config(H=H, HV=H, K=D, V=D, dtype="bfloat16", g_dtype="float32", scale=D ** -0.5,
                           use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
     op = registry.get("chunk_gdn2")
-    err = {}
+    err, runs = {}, {}
+    for zs, pre in ((False, True), (True, True), (True, False)):
+        runs[zs, pre] = torch_api.run_pipeline(op.pipeline(**cfg, z_split=zs, intra_prefetch=pre), x,
+                                               return_scratch=True)
     for zs in (False, True):
-        r = torch_api.run_pipeline(op.pipeline(**cfg, z_split=zs), x)
-        err[zs] = (L.rms(L.tnp(r["o"]), ref_o), L.rms(L.tnp(r["ht"]), ref_s))
+        err[zs] = (L.rms(L.tnp(runs[zs, True]["o"]), ref_o), L.rms(L.tnp(runs[zs, True]["ht"]), ref_s))
     assert err[True][0] < err[False][0] and err[True][1] < err[False][1], err
+    for n, a in runs[True, True].items():  # (dense T = 512: every element of every buffer is written)
+        assert torch.equal(a, runs[True, False][n]), n
     tr = {qs: torch_api.run_pipeline(op.pipeline(**cfg, save_states=True, qg_split=qs), x, return_scratch=True)
           for qs in (False, True)}
     torch.cuda.synchronize()
@@ -640,8 +645,10 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, opts):
     on the same values (QG + QGL with ``qg_split``): every chunk's end-state gradient ``dh``, ``dv`` (= dR) and
     ``dh0``; NaN-poisoned outputs; bit-identical reruns. Dense T = 200 (a partial last chunk) and packed sequences
     of 0, 70, 130 tokens; the options off, ``split_ds`` (dS as 16-bit value plus residual), with ``split_dr`` (dR
-    too) and with ``qg_split`` (the training backward's default). With ``qg_split`` only dR's 16-bit rounding
-    in the Y^T dR product is left between the kernel and its twin, so dh and dh0 must be within 1e-3."""
+    too: the training backward's default) and with ``qg_split`` (session 16's candidate). With ``qg_split`` only
+    dR's 16-bit rounding in the Y^T dR product is left between the kernel and its twin (~1e-4 in the CPU
+    emulation), so dh and dh0 must be within 5e-4; without QGL's product they would be off by QG's rounding,
+    ~1.5-2e-3."""
     import torch
 
     from kernels import registry, torch_api
@@ -695,7 +702,7 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, opts):
         for name, a, ref in (("dh", got["dh"][bb, slot0:slot0 + nc], dh), ("dv", got["dv"][bb, tk], dv),
                              ("dh0", got["dh0"][n_], dh0)):
             r = _gpu_rms(a, ref)
-            assert r <= (1e-3 if qgs and name != "dv" else 1e-2), (n_, name, r)
+            assert r <= (5e-4 if qgs and name != "dv" else 1e-2), (n_, name, r)
 
 
 def _training_forward(op, cfg, x, cu):
@@ -769,7 +776,8 @@ _BWD_VARIANTS = ({}, {"cast_grads": False}, {"intra_v2": False}, {"intra_v2": Fa
                  {"wy_load": "async", "wy_threads": 256},
                  {"wy_load": "tma", "wy_threads": 256}, {"wy_load": "sync", "wy_threads": 256},
                  {"wy_load": "sync", "wy_threads": 512},
-                 {"wy_load": "sync", "wy_tf32_round": True}, {"split_ds": False}, {"split_dr": False},
+                 {"wy_load": "sync", "wy_tf32_round": True}, {"split_ds": False, "split_dr": False},
+                 {"split_dr": False},
                  {"qg_split": True, "split_dr": False}, {"z_split": True, "qg_split": True, "split_dr": False})
 
 
