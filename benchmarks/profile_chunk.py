@@ -89,6 +89,10 @@ def _switches(kernel_backward=None, factored=None, levels=None, options=None, fo
         registry._pipeline.cache_clear()
 
 
+#: the defaults of sessions 10-15 (the benchmark of record up to session 15), for when session 16's options become
+#: the defaults
+_S15 = dict(forward=dict(z_split=False), backward=dict(qg_split=False, split_dr=True))
+
 GRAD_VARIANTS = {  # name -> _switches of the backward
     "xla": dict(kernel_backward=False), "kernel": dict(kernel_backward=True, options={}),
     "kernel_jnp": dict(kernel_backward=True, options={"local_bwd": False}),
@@ -103,11 +107,12 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
     "qg_split": dict(kernel_backward=True, options={"qg_split": True, "split_dr": False}),
     "z_split": dict(kernel_backward=True, forward={"z_split": True}),
     "candidate": dict(kernel_backward=True, options={"qg_split": True, "split_dr": False},
-                      forward={"z_split": True})}  # (session 16's options, tests/test_gradient_audit_gpu.py)
+                      forward={"z_split": True}),  # (session 16's options, tests/test_gradient_audit_gpu.py)
+    "s15": dict(kernel_backward=True, options=dict(_S15["backward"]), forward=dict(_S15["forward"]))}
 
 # training-forward variants timed by --train-launches beside the default (kernels.defaults.FORWARD: prefetch on)
 FWD_LAUNCH_VARIANTS = {"nopre:": dict(intra_prefetch=False), "z:": dict(z_split=True), "qg:": dict(qg_split=True),
-                       "zqg:": dict(z_split=True, qg_split=True)}
+                       "zqg:": dict(z_split=True, qg_split=True), "s15:": dict(z_split=False, qg_split=False)}
 # the backward variants that ``--train-launches`` times beside the default (tag -> chunk_bwd_pipeline options)
 BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "fd": dict(intra_fast_diag=True),
                        "tcfd": dict(intra_tc=True, intra_fast_diag=True),
@@ -117,7 +122,7 @@ BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "f
                        "async512": dict(wy_load="async", wy_threads=512),
                        "nosplit": dict(split_ds=False, split_dr=False),
                        "nocast": dict(cast_grads=False), "nosplitdr": dict(split_dr=False),
-                       "qg": dict(qg_split=True, split_dr=False)}
+                       "qg": dict(qg_split=True, split_dr=False), "s15": dict(qg_split=False, split_dr=True)}
 
 
 def grad_accuracy(variants, seeds=(77, 1, 2), shape=(1, 256, 2)):
@@ -188,7 +193,14 @@ TRAIN_VARIANTS = {  # name -> _switches of the training step
     "kernel": dict(kernel_backward=True, factored=True, levels=1),
     "kernel_jnp": dict(kernel_backward=True, factored=True, levels=1, options={"local_bwd": False}),
     "kernel_l2": dict(kernel_backward=True, factored=True, levels=2, options={"local_bwd": False}),
-    "kernel_nocast": dict(kernel_backward=True, factored=True, levels=1, options={"cast_grads": False})}
+    "kernel_nocast": dict(kernel_backward=True, factored=True, levels=1, options={"cast_grads": False}),
+    # session 15's kernels named explicitly, qg_split alone and session 16's candidate (GRAD_VARIANTS')
+    "s15": dict(kernel_backward=True, factored=True, levels=1, options=dict(_S15["backward"]),
+                forward=dict(_S15["forward"])),
+    "qg": dict(kernel_backward=True, factored=True, levels=1, options={"qg_split": True, "split_dr": False},
+               forward={"z_split": False}),
+    "candidate": dict(kernel_backward=True, factored=True, levels=1, options={"qg_split": True, "split_dr": False},
+                      forward={"z_split": True})}
 
 
 def _kernel_totals(fn, top=16):

@@ -89,8 +89,14 @@ def preset(name: str) -> list[dict]:
                     dict(split_ds=False, split_dr=False), dict(cast_grads=False), dict(split_dr=False),
                     dict(qg_split=True),
                     dict(qg_split=True, split_dr=False), dict(z_split=True),
-                    dict(z_split=True, qg_split=True, split_dr=False))
+                    dict(z_split=True, qg_split=True, split_dr=False),
+                    dict(z_split=False, qg_split=False, split_dr=True), dict(qg_split=False, split_dr=True))
     bench += [dict(cfg(32, 32, 128), **o) for o in bwd_variants]
+    # the training step of profile_chunk --train (no h0 / ht): session 15's kernels, qg_split alone, the candidate
+    bench += [dict(cfg(h, h, 128, h0=False, ht=False), **o) for h in (16, 32)
+              for o in (dict(z_split=False, qg_split=False, split_dr=True),
+                        dict(z_split=False, qg_split=True, split_dr=False),
+                        dict(z_split=True, qg_split=True, split_dr=False))]
     tests += [dict(cfg(2, 4, 128, varlen=v), **o) for v in (False, True) for o in bwd_variants]
     # the backward variants (with the training kernels of their configurations): stage tests, launch times at the
     # bench's largest head count, gradient accuracy (profile_chunk --grad-accuracy: B1 T256 H2)
