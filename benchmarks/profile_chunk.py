@@ -57,13 +57,18 @@ def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
 
 
 @contextlib.contextmanager
-def _switches(kernel_backward=None, factored=None, levels=None, options=None, forward=None):
+def _switches(kernel_backward=None, factored=None, levels=None, options=None, forward=None, precision=None):
     """Set the training path's module switches for the block (None keeps one), then restore them; the memoised
     op functions are dropped on entry and exit so that the next trace sees the switches as set:
     ``gdn2_jax._tilelang.KERNEL_BACKWARD`` / ``KERNEL_BACKWARD_OPTIONS``,
     ``gdn2_jax.xla.chunk._FACTORED_INTRA`` / ``_FACTORED_LEVELS`` and ``forward``, entries of
     ``kernels.defaults.FORWARD`` (the forward pipelines of the inference and training paths; the memoised
-    pipelines of ``kernels.registry`` are dropped too)."""
+    pipelines of ``kernels.registry`` are dropped too). ``precision``: ``jax.default_matmul_precision`` for the
+    block (``"highest"``: the jnp stages' fp32 products in full fp32 instead of the GPU's TF32 default)."""
+    import contextlib
+
+    import jax
+
     from gdn2_jax import _tilelang
     from gdn2_jax.xla import chunk as xla_chunk
     from kernels import defaults, registry
@@ -79,7 +84,8 @@ def _switches(kernel_backward=None, factored=None, levels=None, options=None, fo
         defaults.FORWARD.update(forward or {})
         _tilelang._make_op.cache_clear()
         registry._pipeline.cache_clear()
-        yield
+        with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+            yield
     finally:
         for m, n, val in saved:
             setattr(m, n, val)
@@ -108,7 +114,11 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
     "z_split": dict(kernel_backward=True, forward={"z_split": True}),
     "candidate": dict(kernel_backward=True, options={"qg_split": True, "split_dr": False},
                       forward={"z_split": True}),  # (session 16's options, tests/test_gradient_audit_gpu.py)
-    "s15": dict(kernel_backward=True, options=dict(_S15["backward"]), forward=dict(_S15["forward"]))}
+    "s15": dict(kernel_backward=True, options=dict(_S15["backward"]), forward=dict(_S15["forward"])),
+    # where db's error comes from (session 17): the WY and intra partials in jnp with fp32 products, and the
+    # whole xla VJP with fp32 products (the forward kernels' saved states as in ``kernel``)
+    "kernel_jnp_hi": dict(kernel_backward=True, options={"local_bwd": False}, precision="highest"),
+    "xla_hi": dict(kernel_backward=False, precision="highest")}
 
 # training-forward variants timed by --train-launches beside the default (kernels.defaults.FORWARD: prefetch on)
 FWD_LAUNCH_VARIANTS = {"nopre:": dict(intra_prefetch=False), "z:": dict(z_split=True), "qg:": dict(qg_split=True),
@@ -342,6 +352,7 @@ def main(argv=None):
                          "--accuracy default,exact_diag,exact_self; --train dense,factored,kernel)")
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--grad-accuracy", action="store_true", help="gradient RMS vs fp64 per backward variant")
+    ap.add_argument("--seeds", default=None, help="--grad-accuracy: comma-separated seeds (default 77,1,2)")
     ap.add_argument("--shapes", default=None, help="--train: B,T,H[;B,T,H...] instead of the benchmark grid")
     ap.add_argument("--trace", action="store_true", help="--train: device time per kernel name too")
     ap.add_argument("--train", action="store_true", help="training step: xla VJP (dense / factored intra decays) vs backward kernels")
@@ -355,7 +366,8 @@ def main(argv=None):
         time_train_launches([(a.B, a.T, a.H)], once=2)
         return
     if a.grad_accuracy:
-        grad_accuracy(tuple((a.variants or "xla,kernel,no_split_ds").split(",")))
+        seeds = tuple(int(n) for n in a.seeds.split(",")) if a.seeds else (77, 1, 2)
+        grad_accuracy(tuple((a.variants or "xla,kernel,no_split_ds").split(",")), seeds=seeds)
         return
     if a.train:
         shapes = None if not a.shapes else [tuple(int(n) for n in t.split(",")) for t in a.shapes.split(";")]

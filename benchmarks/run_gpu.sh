@@ -18,6 +18,7 @@
 #   ttime   benchmarks/profile_chunk.py --train: the training step, xla VJP (dense / factored) vs backward kernels
 #   tlaunch benchmarks/profile_chunk.py --train-launches: each training-forward and backward launch (TRAIN_SHAPES)
 #   gacc    benchmarks/profile_chunk.py --grad-accuracy: the seven gradients vs fp64 per backward variant, FLA alongside
+#           (GACC_VARIANTS, GACC_SEEDS)
 #   ncusrc  per-SASS-instruction executed counts of the intra kernel at B4 T4096 H32 ($OUT/intra_sass.csv)
 #   ncusrcb the same for one backward launch (NCU_BWD_LAUNCH: 7 dstate, 8 wy, 9 intra (default); $OUT/bwd_sass.csv)
 #   smoke   a quick benchmark run (two shapes per section; SMOKE_SECTIONS, default prefill,decode) into /tmp/smoke
@@ -125,7 +126,8 @@ if has tlaunch; then
 fi
 if has gacc; then
   step gacc
-  timeout ${T_GACC:-240} python -m benchmarks.profile_chunk --grad-accuracy ${GACC_VARIANTS:+--variants $GACC_VARIANTS} 2>&1 \
+  timeout ${T_GACC:-240} python -m benchmarks.profile_chunk --grad-accuracy ${GACC_VARIANTS:+--variants $GACC_VARIANTS} \
+      ${GACC_SEEDS:+--seeds $GACC_SEEDS} 2>&1 \
       | quiet | grep "GRADACC\|Error" | tee -a "$LOG"
 fi
 if has ncusrc; then

@@ -259,8 +259,9 @@ class GatedDeltaNet2(nnx.Module):
         else ``"xla"``), ``"xla"`` or ``"tilelang"``.
       train_backend: backend of the op when training (``deterministic=False``). Default ``"xla"``: forward and
         backward in jnp. ``"auto"``/``"tilelang"`` run the TileLang kernels where they exist: for
-        ``train_mode="chunk"`` the forward saves its states and the whole backward runs as kernels (1.20-3.02x
-        FLA's forward + backward on an H200, less extra memory than FLA, ``benchmarks/results/latest.json``);
+        ``train_mode="chunk"`` the forward saves its states and the whole backward runs as kernels (1.52-2.46x
+        FLA's forward + backward on the benchmark grid on an H200, session 17, with less extra memory than FLA;
+        ``benchmarks/results/``);
         ``"fused_recurrent"``'s backward is the xla VJP, recomputing the forward.
       deterministic: inference mode. Default False (training), as for ``nnx.Dropout``; ``model.eval()`` sets it
         to True and ``model.train()`` back to False; ``__call__`` may override it per call.

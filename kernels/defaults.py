@@ -17,8 +17,8 @@ __all__ = ["BACKWARD", "FORWARD"]
 #: 1.53 at B4 T4096 H32 (do_bench, session 12; the training forward's launch 1.14 instead of 1.57).
 #: ``z_split``: launch 1 forms U = A (w v) from ``w v`` as its 16-bit rounding plus residual (exact), two products.
 #: CPU emulation (session 16, spec case B1 T512 H4, 4 seeds): o 2.90e-3 -> 2.55e-3, final state 2.23e-3 ->
-#: 1.68e-3 vs fp64 (FLA rounds ``w v``). Off until a GPU run has tested and timed it (no device in session 16).
-FORWARD = dict(intra_prefetch=True, z_split=False)
+#: 1.68e-3 vs fp64 (FLA rounds ``w v``). On since session 17 (GPU tests and timing: ``docs/performance-notes.md``).
+FORWARD = dict(intra_prefetch=True, z_split=True)
 
 #: ``split_ds``: the reverse state pass feeds dS to the KG dS product as a 16-bit value plus its rounding residual
 #: (db 3.29e-3 instead of 3.87e-3 vs fp64 on the benchmark's gradient case, seed 77; session 10, when the option
@@ -26,8 +26,9 @@ FORWARD = dict(intra_prefetch=True, z_split=False)
 #: on: the measured kernels; the CPU emulation of session 16 shows it moves neither dh nor dh0). ``qg_split``: the
 #: training forward stores QG's rounding residual and the reverse state pass uses it; in the CPU emulation QG's
 #: rounding is nearly all of dh0's error (B1 T256 H2, 3 seeds: 1.5-2.1e-3 -> 1.0-2.5e-4 with ``split_dr`` off, the
-#: same product count). Off until a GPU run has tested and timed it (session 16 had no device); the candidate is
-#: ``z_split`` + ``qg_split`` + ``split_dr=False`` (``tests/test_gradient_audit_gpu.py::CANDIDATE``).
+#: same product count). Since session 17 the defaults are session 16's candidate, ``z_split`` + ``qg_split`` +
+#: ``split_dr=False`` (``tests/test_gradient_audit_gpu.py``; the session-15 kernels: ``z_split=False``,
+#: ``qg_split=False``, ``split_dr=True``, ``benchmarks/profile_chunk.py``'s variant ``s15``).
 #: ``intra_v2``: the intra-chunk launch's version 2 (3.51 ms instead of 10.43 at B4 T4096 H32, do_bench, session 10;
 #: 2.99 ms with TileLang's bounds checks off, session 11).
 #: ``wy_load`` / ``wy_threads`` / ``wy_tf32_round``: how the WY launch loads its V-block tiles, its block size
@@ -39,5 +40,5 @@ FORWARD = dict(intra_prefetch=True, z_split=False)
 #: middle rows where the decay allows (3.07 ms instead of 2.99, session 11). Both stay off.
 #: ``cast_grads``: the WY and intra launches store the gradients they finish in their inputs' dtypes (bit-identical
 #: to casting the fp32 outputs in jnp, without that pass over memory; sessions 14-15).
-BACKWARD = dict(split_ds=True, split_dr=True, qg_split=False, intra_v2=True, intra_tc=False, intra_fast_diag=False,
+BACKWARD = dict(split_ds=True, split_dr=False, qg_split=True, intra_v2=True, intra_tc=False, intra_fast_diag=False,
                 wy_load="async", wy_threads=512, wy_tf32_round=False, cast_grads=True)

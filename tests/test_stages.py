@@ -576,7 +576,7 @@ def test_gpu_intra_aqk_split_residual_vs_twin():
 @pytest.mark.cuda
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gpu_z_split_brings_o_and_state_closer_to_fp64(seed):
-    """``z_split`` (session 16, off by default: U = A Z_hi + A Z_lo, Z = w v exact) against the same pipeline
+    """``z_split`` (session 16, the default since 17: U = A Z_hi + A Z_lo, Z = w v exact) against the same pipeline
     without it, both against the fp64 token loop on the same quantised inputs (the benchmark's accuracy case, spec
     distribution, B1 T512 H4): o and the final state must both get closer to fp64, and launch 1 with ``z_split``
     must give the same bits with and without ``intra_prefetch`` (its promise); the training forward's
@@ -645,10 +645,10 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, opts):
     on the same values (QG + QGL with ``qg_split``): every chunk's end-state gradient ``dh``, ``dv`` (= dR) and
     ``dh0``; NaN-poisoned outputs; bit-identical reruns. Dense T = 200 (a partial last chunk) and packed sequences
     of 0, 70, 130 tokens; the options off, ``split_ds`` (dS as 16-bit value plus residual), with ``split_dr`` (dR
-    too: the training backward's default) and with ``qg_split`` (session 16's candidate). With ``qg_split`` only
-    dR's 16-bit rounding in the Y^T dR product is left between the kernel and its twin (~1e-4 in the CPU
-    emulation), so dh and dh0 must be within 5e-4; without QGL's product they would be off by QG's rounding,
-    ~1.5-2e-3."""
+    too: session 15's default) and with ``qg_split`` (the training backward's default since session 17). With
+    ``qg_split`` dh and dh0 must be within 1e-3 of the twin fed QG + QGL (measured on the H200, session 17: dh0
+    5.3e-4 dense, 6.3e-4 for the 130-token sequence; the CPU emulation's ~1e-4 left out rounding points of the
+    state pass) and dh0 at most half as far from it as from the twin fed QG alone, which QGL's product corrects."""
     import torch
 
     from kernels import registry, torch_api
@@ -699,10 +699,16 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, opts):
         tk = slice(s0, s0 + L)
         dh, dv, dh0 = _dstate_twin(aqk[bb, tk], sc["Y"][bb, tk], qg[bb, tk], sc["KG"][bb, tk],
                                    sc["GAM"][bb, slot0:slot0 + nc], np.asarray(do[bb, tk], np.float32), dht[n_])
+        if qgs:  # the twin without QGL's product: the kernel must be nearer the twin with it
+            _, _, dh0_q = _dstate_twin(aqk[bb, tk], sc["Y"][bb, tk], sc["QG"][bb, tk], sc["KG"][bb, tk],
+                                       sc["GAM"][bb, slot0:slot0 + nc], np.asarray(do[bb, tk], np.float32), dht[n_])
         for name, a, ref in (("dh", got["dh"][bb, slot0:slot0 + nc], dh), ("dv", got["dv"][bb, tk], dv),
                              ("dh0", got["dh0"][n_], dh0)):
             r = _gpu_rms(a, ref)
-            assert r <= (5e-4 if qgs and name != "dv" else 1e-2), (n_, name, r)
+            assert r <= (1e-3 if qgs and name != "dv" else 1e-2), (n_, name, r)
+            if qgs and name == "dh0":  # (mid-sequence dh: both ~4e-5 here, session 17; QG's rounding is in dh0)
+                r_q = _gpu_rms(a, dh0_q)
+                assert r <= 0.5 * r_q, (n_, name, r, "vs the twin without QGL:", r_q)
 
 
 def _training_forward(op, cfg, x, cu):
