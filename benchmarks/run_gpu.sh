@@ -9,7 +9,8 @@
 #   decode  benchmarks/decode_paths.py (decode paths, state copies in the compiled HLO), plain and CUDA-graph
 #   dgraph  the CUDA-graph (XLA command buffer) half of decode alone
 #   bench   python -m benchmarks.bench (the benchmark of record; json/md/png and latest.json into $OUT)
-#   train   examples/train_lm.py --backend tilelang (training + generation at batch 1 and 64)
+#   train   examples/train_lm.py --backend tilelang (generation at batch 1 and 64) --train-backend tilelang, tracked by
+#           a second run with the xla backward (same seed, data, steps): TRACK line, curves in $OUT/train_track.json
 #   ncu     Nsight Compute counters of both chunk-prefill launches at B4 T4096 H32 (PROFILE_VARIANT=no_prefetch: a
 #           profile_chunk.VARIANTS entry instead of the public op's kernels; also for ncusrc)
 #   ncubwd  Nsight Compute counters of the three backward launches at B4 T4096 H32 ($OUT/ncu_bwd.txt; BWD_VARIANT=tma: etc., profile_chunk.BWD_LAUNCH_VARIANTS)
@@ -65,9 +66,12 @@ if has parity && [[ -z "${PARITY_PID:-}" ]]; then
 fi
 if has train; then
   step train
-  timeout ${T_TRAIN:-150} python examples/train_lm.py --backend tilelang --show-hlo --steps 60 --eval-batches 2 \
-      --gen-batch 1,64 --min-loss-drop 0 --checkpoint /tmp/ck.npz 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | quiet \
-      | tee -a "$LOG" | tail -14
+  timeout ${T_TRAIN:-240} python examples/train_lm.py --backend tilelang --show-hlo --steps 60 --eval-batches 2 \
+      --gen-batch 1,64 --min-loss-drop 0 --checkpoint /tmp/ck.npz --train-backend tilelang --track-backend xla \
+      --loss-log $OUT/train_track.json 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|^train ([a-z]*): *[0-9]\{1,2\}%" \
+      | quiet | tee "$OUT/train.txt" | tee -a "$LOG" | tail -14
+  rc=${PIPESTATUS[0]}  # the TRACK / FAIL lines may lie above the tail (generated text): shown again
+  { grep "^TRACK \|^FAIL" "$OUT/train.txt"; echo "train exit status $rc"; } | tee -a "$LOG"
 fi
 if has decode; then
   step decode

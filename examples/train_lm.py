@@ -4,10 +4,17 @@
 By default the text is the source code of the running Python's standard library (``*.py`` under
 ``sysconfig.get_paths()["stdlib"]``, without site-packages), so nothing is downloaded. The model is
 embeddings -> N x [RMSNorm -> GatedDeltaNet2 -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm ->
-tied (default) or untied byte head. Training uses optax AdamW and the differentiable ``"xla"`` backend of
-``chunk_gdn2``; generation uses a jit-compiled prefill (chunk / fused-recurrent op on the prompt, filling the
-cache) and a jit-compiled decode loop (``lax.scan`` of single-token steps with the fused-recurrent op), with the
-``--backend`` of your choice (``auto`` picks the TileLang kernels on a Hopper GPU where they exist).
+tied (default) or untied byte head. Training uses optax AdamW and differentiates the op with ``--train-backend``
+(default ``xla``: forward and backward in jnp; ``tilelang`` / ``auto``: the TileLang forward and backward kernels on
+a Hopper GPU, ``auto`` where they exist); generation uses a jit-compiled prefill (chunk / fused-recurrent op on the
+prompt, filling the cache) and a jit-compiled decode loop (``lax.scan`` of single-token steps with the
+fused-recurrent op), with the ``--backend`` of your choice (``auto`` picks the TileLang kernels on a Hopper GPU
+where they exist).
+
+``--track-backend B`` then trains a second model from the same seed on the same batches, in the same order and for
+as many steps, with train backend B, and prints ``TRACK {json}``: the per-step differences of the two training-loss
+curves (raw and EMA(0.9)) and the relative difference of the final held-out losses; exit status 1 when these exceed
+``--max-track-diff`` / ``--max-final-rel-diff``. ``--loss-log PATH`` writes the curves and held-out losses as JSON.
 
 The default configuration trains on a 2-core CPU in a few minutes, until the held-out loss has fallen by at
 least ``--min-loss-drop`` percent (exit status 1 otherwise).
@@ -17,6 +24,7 @@ Examples::
     python examples/train_lm.py                                   # CPU defaults
     python examples/train_lm.py --data-dir ~/my_texts --glob '*.txt'
     python examples/train_lm.py --backend tilelang --show-hlo     # H200 (bfloat16 by default on a GPU)
+    python examples/train_lm.py --train-backend tilelang --track-backend xla   # kernel backward tracks xla's
 """
 
 from __future__ import annotations
@@ -150,6 +158,103 @@ def load_checkpoint(path: pathlib.Path, model: nnx.Module):
     nnx.update(model, state)
 
 
+# ------------------------------------------------------------------------------------------------------ training
+def make_optimizer(args) -> optax.GradientTransformation:
+    """AdamW with warmup + cosine decay, global-norm clipping, no weight decay on A_log / dt_bias / norm scales /
+    biases (as in the reference training code)."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
+                                                  end_value=args.lr * 0.1)
+    no_decay = ("A_log", "dt_bias", "scale", "bias")
+
+    def wd_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not any(n in jax.tree_util.keystr(path) for n in no_decay), params)
+
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=wd_mask))
+
+
+def loss_fn(m, batch):
+    logits, _ = m(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+@nnx.jit
+def train_step(m, opt, batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(m, batch)
+    opt.update(m, grads)
+    return loss
+
+
+eval_loss = nnx.jit(loss_fn)
+
+
+def train_model(model: GDN2LM, tx, args, train: np.ndarray, held_out: np.ndarray, steps: int, *,
+                deadline: float) -> dict:
+    """Train ``model`` in place for ``steps`` steps (fewer when ``time.perf_counter()`` passes ``deadline``) on the
+    batch stream of ``--seed`` (a fresh numpy generator: the held-out batches, then the training batches, so two
+    calls see the same data in the same order). Returns backend, steps, per-step training losses, held-out loss
+    before and after, training seconds and tokens/s."""
+    backend = model.blocks[0].attn.train_backend
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    rng = np.random.default_rng(args.seed)
+    eval_data = [b for b, _ in zip(batches(held_out, args.batch_size, args.seq_len, rng), range(args.eval_batches))]
+    train_iter = batches(train, args.batch_size, args.seq_len, rng)
+
+    def held_out_loss():
+        return float(np.mean([float(eval_loss(model, jnp.asarray(b))) for b in eval_data]))
+
+    model.train()  # deterministic=False: the layers differentiate train_mode's op with train_backend
+    start_loss = held_out_loss()
+    print(f"[train backend {backend}] start held-out loss: {start_loss:.4f} (ln 256 = {math.log(256):.4f})")
+    tok_per_step = args.batch_size * args.seq_len
+    bar = tqdm(range(steps), desc=f"train ({backend})", unit="step", dynamic_ncols=True)
+    t_train = time.perf_counter()
+    losses, ema, t_first = [], None, None
+    for step in bar:
+        loss = float(train_step(model, optimizer, jnp.asarray(next(train_iter))))
+        if step == 0:
+            t_first = time.perf_counter()  # excludes the compile of the first step from tokens/s
+        losses.append(loss)
+        ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+        if step > 0:
+            tps = step * tok_per_step / (time.perf_counter() - t_first)
+            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tps:,.0f}")
+        if time.perf_counter() > deadline:
+            bar.write(f"stopping after {len(losses)} steps: --max-train-seconds={args.max_train_seconds} reached")
+            break
+    bar.close()
+    train_s = time.perf_counter() - t_train
+    n = len(losses)
+    train_tps = (n - 1) * tok_per_step / max(time.perf_counter() - t_first, 1e-9) if n > 1 else 0.0
+    final_loss = held_out_loss()
+    print(f"[train backend {backend}] trained {n} steps in {train_s:.1f}s ({train_tps:,.0f} tokens/s after the "
+          f"first step); final held-out loss {final_loss:.4f}")
+    return dict(backend=backend, steps=n, losses=losses, start_loss=start_loss, final_loss=final_loss,
+                train_s=train_s, train_tok_s=train_tps)
+
+
+def ema_curve(xs, decay: float = 0.9) -> np.ndarray:
+    out, e = [], None
+    for x in xs:
+        e = x if e is None else decay * e + (1 - decay) * x
+        out.append(e)
+    return np.asarray(out, np.float64)
+
+
+def compare_runs(run: dict, ref: dict) -> dict:
+    """Per-step differences of two runs' training losses (raw and EMA(0.9)) and the relative difference of their
+    final held-out losses (relative to ``ref``'s)."""
+    raw = np.abs(np.asarray(run["losses"], np.float64) - np.asarray(ref["losses"], np.float64))
+    ema = np.abs(ema_curve(run["losses"]) - ema_curve(ref["losses"]))
+    return dict(backend=run["backend"], track_backend=ref["backend"], steps=run["steps"],
+                final_loss=run["final_loss"], track_final_loss=ref["final_loss"],
+                max_abs_diff=float(raw.max(initial=0.0)), mean_abs_diff=float(raw.mean()) if raw.size else 0.0,
+                ema_max_abs_diff=float(ema.max(initial=0.0)),
+                ema_mean_abs_diff=float(ema.mean()) if ema.size else 0.0,
+                final_rel_diff=abs(run["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"]))
+
+
 # ---------------------------------------------------------------------------------------------------- generation
 def custom_calls(compiled) -> list[str]:
     """custom_call targets in compiled HLO text (the TileLang kernels appear here on the GPU)."""
@@ -236,7 +341,21 @@ def parse_args(argv=None):
     p.add_argument("--min-loss-drop", type=float, default=40.0,
                    help="exit with status 1 unless the held-out loss fell by at least this many percent")
     p.add_argument("--backend", default="auto", choices=["auto", "xla", "tilelang"],
-                   help="op backend for generation (training always differentiates the xla backend)")
+                   help="op backend for generation (training uses --train-backend)")
+    p.add_argument("--train-backend", default="xla", choices=["auto", "xla", "tilelang"],
+                   help="op backend differentiated in training (tilelang: the forward and backward kernels on a "
+                        "Hopper GPU; auto: those where they exist, else xla)")
+    p.add_argument("--track-backend", default=None, choices=["xla", "tilelang", "auto"],
+                   help="after training, train again from the same seed on the same batches with this train "
+                        "backend and compare the loss curves (TRACK line)")
+    p.add_argument("--max-track-diff", type=float, default=0.05,
+                   help="with --track-backend: exit with status 1 when the EMA(0.9) training-loss curves differ by "
+                        "more than this (nats) at any step")
+    p.add_argument("--max-final-rel-diff", type=float, default=0.01,
+                   help="with --track-backend: exit with status 1 when the final held-out losses differ by more "
+                        "than this fraction")
+    p.add_argument("--loss-log", default=None, help="write the per-step training losses and held-out losses "
+                                                     "(of both runs with --track-backend) to this JSON file")
     p.add_argument("--train-mode", default="auto", choices=["auto", "chunk", "fused_recurrent"],
                    help="op differentiated in training (auto: fused_recurrent on CPU, where autodiff of the "
                         "token loop is faster than the chunked form at these sizes; chunk elsewhere)")
@@ -266,75 +385,43 @@ def main(argv=None) -> int:
     cfg = dict(d_model=args.d_model, num_layers=args.num_layers, num_heads=args.num_heads,
                num_v_heads=args.num_v_heads, head_dim=args.head_dim, mlp_hidden=args.mlp_hidden,
                tie_embeddings=not args.untied, backend=args.backend, dtype=jnp.dtype(args.dtype),
-               train_mode=args.train_mode)
+               train_mode=args.train_mode, train_backend=args.train_backend)
     if cfg["train_mode"] == "auto":
         cfg["train_mode"] = "fused_recurrent" if jax.devices()[0].platform == "cpu" else "chunk"
     model = GDN2LM(cfg, rngs=nnx.Rngs(args.seed))
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"model: {n_params / 1e6:.2f}M parameters, {args.num_layers} GDN-2 blocks, d={args.d_model}, "
-          f"heads={args.num_heads}x{args.head_dim}, {args.dtype} compute, training op {cfg['train_mode']}")
+          f"heads={args.num_heads}x{args.head_dim}, {args.dtype} compute, training op {cfg['train_mode']} "
+          f"(train backend {args.train_backend})")
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
-                                                  end_value=args.lr * 0.1)
-    # no weight decay on A_log / dt_bias / norm scales / biases (as in the reference training code)
-    no_decay = ("A_log", "dt_bias", "scale", "bias")
-
-    def wd_mask(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: not any(n in jax.tree_util.keystr(path) for n in no_decay), params)
-
-    tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=wd_mask))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    def loss_fn(m, batch):
-        logits, _ = m(batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
-    @nnx.jit
-    def train_step(m, opt, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(m, batch)
-        opt.update(m, grads)
-        return loss
-
-    @nnx.jit
-    def eval_loss(m, batch):
-        return loss_fn(m, batch)
-
-    rng = np.random.default_rng(args.seed)
-    eval_data = [b for b, _ in zip(batches(held_out, args.batch_size, args.seq_len, rng), range(args.eval_batches))]
-    train_iter = batches(train, args.batch_size, args.seq_len, rng)
-
-    def held_out_loss():
-        return float(np.mean([float(eval_loss(model, jnp.asarray(b))) for b in eval_data]))
-
-    model.train()  # deterministic=False: chunk_gdn2 with the differentiable xla backend
-    start_loss = held_out_loss()
-    print(f"start held-out loss: {start_loss:.4f} (ln 256 = {math.log(256):.4f})")
-    tok_per_step = args.batch_size * args.seq_len
-    bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
-    t_train = time.perf_counter()
-    ema, steps_done, t_first = None, 0, None
-    for step in bar:
-        loss = float(train_step(model, optimizer, jnp.asarray(next(train_iter))))
-        if step == 0:
-            t_first = time.perf_counter()  # excludes the compile of the first step from tokens/s
-        steps_done = step + 1
-        ema = loss if ema is None else 0.9 * ema + 0.1 * loss
-        if step > 0:
-            tps = step * tok_per_step / (time.perf_counter() - t_first)
-            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tps:,.0f}")
-        if time.perf_counter() - t_start > args.max_train_seconds:
-            bar.write(f"stopping after {steps_done} steps: --max-train-seconds={args.max_train_seconds} reached")
-            break
-    bar.close()
-    train_s = time.perf_counter() - t_train
-    train_tps = (steps_done - 1) * tok_per_step / max(time.perf_counter() - t_first, 1e-9) if steps_done > 1 else 0.0
-    final_loss = held_out_loss()
+    tx = make_optimizer(args)
+    run = train_model(model, tx, args, train, held_out, args.steps, deadline=t_start + args.max_train_seconds)
+    steps_done, start_loss, final_loss = run["steps"], run["start_loss"], run["final_loss"]
     drop = 100.0 * (start_loss - final_loss) / start_loss
-    print(f"trained {steps_done} steps in {train_s:.1f}s ({train_tps:,.0f} tokens/s after the first step)")
     print(f"held-out loss: start {start_loss:.4f} -> final {final_loss:.4f}: fell by {drop:.1f}% "
           f"(required >= {args.min_loss_drop:.0f}%)")
+
+    fails = [] if drop >= args.min_loss_drop else [f"loss fell by {drop:.1f}% < {args.min_loss_drop}%"]
+    log = dict(config={k: (str(v) if k == "dtype" else v) for k, v in cfg.items()}, seed=args.seed, main=run)
+    if args.track_backend is not None:  # same seed, batches and step count; no time limit
+        track_cfg = dict(cfg, train_backend=args.track_backend)
+        track = train_model(GDN2LM(track_cfg, rngs=nnx.Rngs(args.seed)), tx, args, train, held_out, steps_done,
+                            deadline=math.inf)
+        summary = compare_runs(run, track)
+        print("TRACK " + json.dumps(summary))
+        log.update(track=track, summary=summary)
+        if not summary["ema_max_abs_diff"] <= args.max_track_diff:
+            fails.append(f"the training-loss curves of train backends {args.train_backend} and {args.track_backend} "
+                         f"differ: max |EMA(0.9) difference| {summary['ema_max_abs_diff']:.4g} > --max-track-diff "
+                         f"{args.max_track_diff}")
+        if not summary["final_rel_diff"] <= args.max_final_rel_diff:
+            fails.append(f"final held-out losses {run['final_loss']:.4f} ({args.train_backend}) and "
+                         f"{track['final_loss']:.4f} ({args.track_backend}) differ by {summary['final_rel_diff']:.3g} "
+                         f"> --max-final-rel-diff {args.max_final_rel_diff}")
+    if args.loss_log:
+        pathlib.Path(args.loss_log).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.loss_log).write_text(json.dumps(log, indent=1))
+        print(f"loss log: {args.loss_log}")
 
     ckpt = pathlib.Path(args.checkpoint)
     save_checkpoint(ckpt, model, cfg, steps_done)
@@ -353,10 +440,9 @@ def main(argv=None) -> int:
     print(args.prompt + text)
     print("-" * 72)
     print(f"total wall time: {time.perf_counter() - t_start:.1f}s")
-    if drop < args.min_loss_drop:
-        print(f"FAIL: loss fell by {drop:.1f}% < {args.min_loss_drop}%", file=sys.stderr)
-        return 1
-    return 0
+    for msg in fails:
+        print(f"FAIL: {msg}", file=sys.stderr)
+    return 1 if fails else 0
 
 
 if __name__ == "__main__":
