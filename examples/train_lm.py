@@ -70,7 +70,8 @@ class Block(nnx.Module):
         self.attn_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
         self.attn = GatedDeltaNet2(d, head_dim=cfg["head_dim"], num_heads=cfg["num_heads"],
                                    num_v_heads=cfg["num_v_heads"], backend=cfg["backend"],
-                                   train_mode=cfg["train_mode"], dtype=dtype, rngs=rngs)
+                                   train_mode=cfg["train_mode"], train_backend=cfg["train_backend"], dtype=dtype,
+                                   rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
         self.mlp = MLP(d, cfg["mlp_hidden"], dtype=dtype, rngs=rngs)
 
@@ -348,12 +349,12 @@ def parse_args(argv=None):
     p.add_argument("--track-backend", default=None, choices=["xla", "tilelang", "auto"],
                    help="after training, train again from the same seed on the same batches with this train "
                         "backend and compare the loss curves (TRACK line)")
-    p.add_argument("--max-track-diff", type=float, default=0.05,
+    p.add_argument("--max-track-diff", type=float, default=None,
                    help="with --track-backend: exit with status 1 when the EMA(0.9) training-loss curves differ by "
-                        "more than this (nats) at any step")
-    p.add_argument("--max-final-rel-diff", type=float, default=0.01,
+                        "more than this (nats) at any step (default 0.05)")
+    p.add_argument("--max-final-rel-diff", type=float, default=None,
                    help="with --track-backend: exit with status 1 when the final held-out losses differ by more "
-                        "than this fraction")
+                        "than this fraction (default 0.01)")
     p.add_argument("--loss-log", default=None, help="write the per-step training losses and held-out losses "
                                                      "(of both runs with --track-backend) to this JSON file")
     p.add_argument("--train-mode", default="auto", choices=["auto", "chunk", "fused_recurrent"],
@@ -367,7 +368,12 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show-hlo", action="store_true", help="print custom calls of the compiled prefill/decode")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name, default in (("max_track_diff", 0.05), ("max_final_rel_diff", 0.01)):  # limits of --track-backend only
+        if getattr(args, name) is not None and args.track_backend is None:
+            p.error(f"--{name.replace('_', '-')} needs --track-backend")
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    return args
 
 
 def main(argv=None) -> int:

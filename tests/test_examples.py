@@ -36,7 +36,7 @@ def test_train_lm_track_same_backend_is_bit_identical(tmp_path, capsys):
     assert log["track"]["losses"] == log["main"]["losses"]  # same backend, data and seed: bit-identical
     assert s["max_abs_diff"] == 0.0 and s["ema_max_abs_diff"] == 0.0 and s["final_rel_diff"] == 0.0
     assert log["track"]["final_loss"] == log["main"]["final_loss"]
-    assert log["config"]["train_backend"] == "xla"
+    assert log["config"]["train_backend"] == "xla" and log["main"]["backend"] == "xla"  # (read from the layers)
     ck = train_lm.np.load(tmp_path / "ck.npz")
     assert json.loads(str(ck["__config__"]))["train_backend"] == "xla"  # in the checkpoint's config
 
@@ -48,3 +48,20 @@ def test_train_lm_track_limit_fails(tmp_path, capsys, flag):
     assert rc == 1
     assert err.count("FAIL: ") == 1 and f"> {flag} -1" in err
     assert log["summary"]["max_abs_diff"] == 0.0
+
+
+def test_train_lm_train_backend_reaches_the_layers(tmp_path):
+    """``--train-backend`` is the layers' ``train_backend``: ``tilelang`` cannot train on a CPU, and says so before
+    any step (on a Hopper GPU the same flag trains with the backward kernels)."""
+    import jax
+
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("on a GPU the TileLang backward can run")
+    with pytest.raises(NotImplementedError, match="`train_backend`='tilelang' cannot run here"):
+        train_lm.main([*TINY, "--steps", "1", "--checkpoint", str(tmp_path / "ck.npz"), "--train-backend", "tilelang"])
+
+
+def test_train_lm_track_limits_need_track_backend(capsys):
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--max-track-diff", "0.1"])
+    assert "--max-track-diff needs --track-backend" in capsys.readouterr().err

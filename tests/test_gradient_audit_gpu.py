@@ -32,10 +32,11 @@ pytestmark = pytest.mark.cuda
 
 SEEDS = (77, 1, 2, 3, 4, 5)
 LIMIT = 3.5e-3  # issue 7: each of the seven gradients on the spec distribution
-#: the gaps to FLA measured on the H200 and still open (gradient -> why); a case whose only failures are these
-#: comparisons with FLA is an expected failure (``pytest.xfail``, after every other check), any other fails
-KNOWN_GAPS = {"db": "session 17 (H200): db 3.16e-3 vs FLA's 2.52e-3 on seed 4, within the limit; db is the same "
-                    "with and without session 16's options (issue 7, open)"}
+#: the gaps to FLA measured on the GPU and still open: (gradient, seed) -> (ceiling, why). A case whose only failures
+#: are these FLA comparisons, each at most its ceiling (the measured ratio plus a little), is an expected failure
+#: (``pytest.xfail``, after every other check); a gap elsewhere, or one that grew, fails.
+KNOWN_GAPS = {("db", 4): (3.2e-3, "session 17 (H200 and H100, bit-identical): db 3.157e-3 vs FLA's 2.524e-3, the WY "
+                                  "launch's TF32 truncation (issue 7, open)")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,6 +85,7 @@ def test_seven_gradients_within_limit_and_never_above_fla(seed):
            if not (row[f"ours:d{n}"] <= LIMIT and row[f"ours:d{n}"] <= row[f"fla:d{n}"])]
     over = [n for n in names if row[f"ours:d{n}"] > LIMIT]
     assert not over, f"seed {seed}: above {LIMIT}: " + "; ".join(bad)
-    if bad and all(b.split(":")[0] in KNOWN_GAPS for b in bad):
-        pytest.xfail(f"seed {seed}: " + "; ".join(bad) + " | " + "; ".join(KNOWN_GAPS[b.split(":")[0]] for b in bad))
+    gaps = [KNOWN_GAPS.get((b.split(":")[0], seed)) for b in bad]
+    if bad and all(g is not None and row["ours:" + b.split(":")[0]] <= g[0] for b, g in zip(bad, gaps)):
+        pytest.xfail(f"seed {seed}: " + "; ".join(bad) + " | " + "; ".join(g[1] for g in gaps))
     assert not bad, f"seed {seed}: " + "; ".join(bad)
