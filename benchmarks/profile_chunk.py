@@ -65,8 +65,6 @@ def _switches(kernel_backward=None, factored=None, levels=None, options=None, fo
     ``kernels.defaults.FORWARD`` (the forward pipelines of the inference and training paths; the memoised
     pipelines of ``kernels.registry`` are dropped too). ``precision``: ``jax.default_matmul_precision`` for the
     block (``"highest"``: the jnp stages' fp32 products in full fp32 instead of the GPU's TF32 default)."""
-    import contextlib
-
     import jax
 
     from gdn2_jax import _tilelang
