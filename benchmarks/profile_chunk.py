@@ -106,6 +106,8 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
     "split_ds": dict(kernel_backward=True, options={"split_ds": True}),
     "no_split_ds": dict(kernel_backward=True, options={"split_ds": False, "split_dr": False}),
     "wy_round": dict(kernel_backward=True, options={"wy_load": "sync", "wy_tf32_round": True}),
+    # (session 18) the operands behind db rounded to nearest (the WY launch, the training forward's h, dR)
+    "wy_dy": dict(kernel_backward=True, options={"wy_tf32_round": "dy"}),
     "no_cast": dict(kernel_backward=True, options={"cast_grads": False}),
     "no_split_dr": dict(kernel_backward=True, options={"split_dr": False}),
     "qg_split": dict(kernel_backward=True, options={"qg_split": True, "split_dr": False}),
@@ -130,7 +132,8 @@ BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "f
                        "async512": dict(wy_load="async", wy_threads=512),
                        "nosplit": dict(split_ds=False, split_dr=False),
                        "nocast": dict(cast_grads=False), "nosplitdr": dict(split_dr=False),
-                       "qg": dict(qg_split=True, split_dr=False), "s15": dict(qg_split=False, split_dr=True)}
+                       "qg": dict(qg_split=True, split_dr=False), "s15": dict(qg_split=False, split_dr=True),
+                       "wydy": dict(wy_tf32_round="dy")}
 
 
 def grad_accuracy(variants, seeds=(77, 1, 2), shape=(1, 256, 2)):
@@ -208,7 +211,8 @@ TRAIN_VARIANTS = {  # name -> _switches of the training step
     "qg": dict(kernel_backward=True, factored=True, levels=1, options={"qg_split": True, "split_dr": False},
                forward={"z_split": False}),
     "candidate": dict(kernel_backward=True, factored=True, levels=1, options={"qg_split": True, "split_dr": False},
-                      forward={"z_split": True})}
+                      forward={"z_split": True}),
+    "wy_dy": dict(kernel_backward=True, factored=True, levels=1, options={"wy_tf32_round": "dy"})}
 
 
 def _kernel_totals(fn, top=16):
@@ -291,6 +295,7 @@ def time_train_launches(shapes, once=0):
 
     from benchmarks import bench_lib
     from kernels import registry, torch_api
+    from kernels.chunk_bwd import training_forward_options
 
     op = registry.get("chunk_gdn2")
     for B, T, H in shapes:
@@ -309,7 +314,7 @@ def time_train_launches(shapes, once=0):
         tag = os.environ.get("BWD_VARIANT", "").rstrip(":") if once else ""  # (ncu: BWD_VARIANT=tma: etc.)
         bwd = op.backward_pipeline(**cfg, **BWD_LAUNCH_VARIANTS[tag]) if tag else bwds[""]  # (whatever the filter)
         if once:
-            fwd = op.pipeline(**cfg, save_states=True, qg_split="QGL" in bwd.inputs)
+            fwd = op.pipeline(**cfg, save_states=True, **training_forward_options(bwd))
             for _ in range(once):
                 res = torch_api.run_pipeline(fwd, x, return_scratch=True)
                 ins = {n: (res[n] if n in res else x[n]) for n in bwd.inputs if n not in ("do", "dht")}

@@ -2,7 +2,7 @@
 # GPU session driver (device machine), from the repository root:  bash benchmarks/run_gpu.sh STEP[,STEP...]
 #   build   compile what the carried kernel cache (.kcache/) lacks (-j 15; BUILD_PRESET, default all; then the
 #           benchmark's kernels unless BUILD_BENCH=0); the cache comes back as kcache.tgz.part-* (KCACHE_BACK=0: not;
-#           put the parts into .kc/ and carry ".kc")
+#           KCACHE_PRESETS=bench,layers: those presets' kernels only; put the parts into .kc/ and carry ".kc")
 #   tests   every `cuda` test (pytest -n 6); with `parity` in the same call the FLA layer-parity test runs in its
 #           own process alongside all other steps (its Triton autotune results come back as fla-autotune-new.tgz)
 #   parity  the FLA layer-parity test alone, timed (issue 9: < 120 s with the autotune cache carried in .gpu/)
@@ -160,6 +160,21 @@ fi
 ( cd "$OUT" && diag=$(ls -d g trace_*.json scan_hlo*.txt trace_summary.txt 2>/dev/null; true) \
     && [[ -n "$diag" ]] && tar -czf diag.tgz $diag && rm -rf $diag )
 # what comes back for the next call: compiled kernels and FLA's new autotune results
-[[ "${KCACHE_BACK:-1}" == 1 ]] && tar -cz -C .kcache . 2>/dev/null | split -b 15M - "$OUT/kcache.tgz.part-"
+# (KCACHE_PRESETS=bench,layers: only those presets' kernels, to keep the carried cache small)
+if [[ "${KCACHE_BACK:-1}" == 1 && -n "${KCACHE_PRESETS:-}" ]]; then
+  python - "$KCACHE_PRESETS" > /tmp/kcache-keep.txt <<'PY'
+import sys
+from benchmarks import bench_lib
+from kernels import _compile, build
+arch, root = _compile.device_arch(), _compile.cache_dir()
+work = build.plan([c for p in sys.argv[1].split(",") for c in build.preset(p)], tuple(build.registry.OPS), arch)
+work += [w for name, c in bench_lib.bench_kernel_configs(sweep=False) for w in build.plan([c], (name,), arch)]
+for name, kw, part, i, a in work:  # (the compiled ones: a preset may hold kernels this call did not build)
+    path = _compile.library_path(build._pipe(name, kw, part).launches[i], a)
+    if path.exists():
+        print(path.relative_to(root))
+PY
+  tar -cz -C .kcache -T /tmp/kcache-keep.txt | split -b 15M - "$OUT/kcache.tgz.part-"
+elif [[ "${KCACHE_BACK:-1}" == 1 ]]; then tar -cz -C .kcache . 2>/dev/null | split -b 15M - "$OUT/kcache.tgz.part-"; fi
 ( cd "$TRITON_CACHE_DIR" && ls */*.autotune.json >/dev/null 2>&1 && tar -czf "$OUT/fla-autotune-new.tgz" */*.autotune.json )
 ls -la "$OUT" | tail -9

@@ -305,12 +305,15 @@ def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple):
     the L2 norm's backward and casts what is still fp32. Under ``jax.vmap`` the training custom calls run once per mapped
     problem (``vmap_method="sequential"``, not folded into the kernels' batch as the inference path is).
     """
+    from kernels.chunk_bwd import training_forward_options
+
     from .xla import chunk as xla_chunk
     from .xla.common import l2norm
 
     bwd = op.backward_pipeline(**cfg, **KERNEL_BACKWARD_OPTIONS)
-    # (the forward stores QG's rounding residual exactly when the backward's state pass reads it)
-    train = op.pipeline(**dict(cfg, save_states=True, qg_split="QGL" in bwd.inputs))
+    # (the forward stores QG's rounding residual exactly when the backward's state pass reads it, and h rounded to
+    # TF32 when its WY launch expects that)
+    train = op.pipeline(**dict(cfg, save_states=True, **training_forward_options(bwd)))
     local = "dq" in {b.name for b in bwd.outputs}  # False: the state pass only, the rest in jnp
     made = {b.name for b in tuple(train.scratch) + tuple(train.outputs)}
     sc = tuple(n for n in bwd.inputs if n in made)

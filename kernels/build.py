@@ -85,7 +85,7 @@ def preset(name: str) -> list[dict]:
                     dict(wy_load="async", wy_threads=256),
                     dict(wy_load="async", wy_threads=512), dict(wy_load="tma", wy_threads=256),
                     dict(wy_load="sync", wy_threads=256), dict(wy_load="sync", wy_threads=512),
-                    dict(wy_load="sync", wy_threads=256, wy_tf32_round=True),
+                    dict(wy_load="sync", wy_threads=256, wy_tf32_round=True), dict(wy_tf32_round="dy"),
                     dict(split_ds=False, split_dr=False), dict(cast_grads=False), dict(split_dr=False),
                     dict(qg_split=True),
                     dict(qg_split=True, split_dr=False), dict(z_split=True),
@@ -96,7 +96,7 @@ def preset(name: str) -> list[dict]:
     bench += [dict(cfg(h, h, 128, h0=False, ht=False), **o) for h in (16, 32)
               for o in (dict(z_split=False, qg_split=False, split_dr=True),
                         dict(z_split=False, qg_split=True, split_dr=False),
-                        dict(z_split=True, qg_split=True, split_dr=False))]
+                        dict(z_split=True, qg_split=True, split_dr=False), dict(wy_tf32_round="dy"))]
     tests += [dict(cfg(2, 4, 128, varlen=v), **o) for v in (False, True) for o in bwd_variants]
     # the backward variants (with the training kernels of their configurations): stage tests, launch times at the
     # bench's largest head count, gradient accuracy (profile_chunk --grad-accuracy: B1 T256 H2)
@@ -144,10 +144,13 @@ def _pipe(name, kw, part):
     if part == "bwd":
         return op.backward_pipeline(**kw)
     accepted = inspect.signature(registry.resolve(op.factory)).parameters
-    kw = {k: v for k, v in kw.items() if k in accepted}  # (the forward's options only: a backward variant's others)
+    fwd_kw = {k: v for k, v in kw.items() if k in accepted}  # (the forward's options only: a backward variant's others)
     if part == "fwd":  # (QG's residual is for the backward: the inference forward never stores it)
-        kw.pop("qg_split", None)
-    return op.pipeline(**(dict(kw, save_states=True) if part == "train" else kw))
+        fwd_kw.pop("qg_split", None)
+        return op.pipeline(**fwd_kw)
+    from .chunk_bwd import training_forward_options  # (the training forward that this backward expects)
+
+    return op.pipeline(**dict(fwd_kw, save_states=True, **training_forward_options(op.backward_pipeline(**kw))))
 
 
 def _job(name, kw, part, index, arch):
@@ -183,8 +186,8 @@ def plan(configs, ops, arch) -> list[tuple]:
         op = registry.get(name)
         accepted = inspect.signature(registry.resolve(op.factory)).parameters
         extra = set(kw) - set(cfg(1, 1, 64))
-        if op.backward and extra and extra <= BACKWARD_OPTIONS:  # a backward variant: its launches only
-            parts = ("bwd",)
+        if op.backward and extra and extra <= BACKWARD_OPTIONS:  # a backward variant: its launches and the
+            parts = ("train", "bwd")  # training forward it expects (mostly the default's: built once)
         elif op.backward and extra and extra & TRAINING_OPTIONS and extra <= BACKWARD_OPTIONS | TRAINING_OPTIONS:
             parts = ("fwd", "train", "bwd")  # forward options the training path shares (with backward ones)
         elif any(k not in accepted for k in kw):  # an option of another op's factory (e.g. block_v)

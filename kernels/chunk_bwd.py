@@ -24,11 +24,11 @@ still jnp (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
 
 from . import registry
-from ._common import CHUNK, LOG2E, drop_params, rounding_residual, tf32_operand
+from ._common import CHUNK, LOG2E, drop_params, rounding_residual, tf32_operand, tf32_split_hi
 from ._pipeline import Buf, Launch, Pipeline
 from .chunk_fwd import locate_chunk, seq_span, sizes_fn
 
-__all__ = ["chunk_dstate_pipeline", "chunk_bwd_pipeline"]
+__all__ = ["chunk_dstate_pipeline", "chunk_bwd_pipeline", "training_forward_options"]
 
 # other kernel sources these kernels inline (``locate_chunk``, ``seq_span``): part of their cache key
 SOURCE_DEPENDENCIES = ("chunk_fwd.py",)
@@ -41,7 +41,7 @@ BWD_DIAG_RANGE = 50.0
 
 
 def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, split_ds=False, split_dr=False,
-                 qg_split=False):
+                 qg_split=False, tf32_dr=False):
     import tilelang.language as T
 
     C = CHUNK
@@ -124,7 +124,7 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                     T.gemm(AsL, dOs, dRf, transpose_A=True)
                 for r, e in T.Parallel(C, BV):
                     if j * C + r < ln:
-                        dv[bb, t0 + r, hv, v0 + e] = dRf[r, e]
+                        dv[bb, t0 + r, hv, v0 + e] = tf32_split_hi(dRf[r, e]) if tf32_dr else dRf[r, e]
                 for r, e in T.Parallel(C, BV):  # -dR (masked) as the operand of the Y^T product
                     dRb[r, e] = T.if_then_else(j * C + r < ln, T.cast(-dRf[r, e], dtype), T.cast(0, dtype))
                 if split_dr:
@@ -200,9 +200,16 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
     used as copied: their rows past the valid ones (the next sequence's tokens in packed input, zeros past T) only
     reach rows and columns of dY, dKG, dAq and dA that are masked or multiplied by zero rows of A^T (A is
     lower-triangular within the chunk's valid rows).
-    ``tf32_round`` (``stages = 1`` only): every TF32 operand is rounded to nearest in shared memory
-    (``_common.tf32_operand``). ``cast_dvw`` (option ``cast_grads``): dv and dw are stored in the input dtype,
-    rounded to nearest from the same fp32 values (bit-identical to casting the fp32 outputs afterwards).
+    ``tf32_round``: TF32 operands rounded to nearest in shared memory instead of truncated by the tensor core.
+    True (``stages = 1`` only): every operand (``_common.tf32_operand``, integer form). ``"dy"``: the operands
+    the launch forms itself (A^T, dO, Z, Ebar, dY, dA, A^T dA) and S0 and dR (dY = -dR S0^T, behind dEbar and
+    db), R and dS (dKG, dAqk) left truncated (``_common.tf32_split_hi``, arithmetic form: the integer form kept
+    TileLang from vectorising the stores it sits in). With ``stages = 2`` S0 and dR are used as copied: their
+    producers store them rounded (the training forward's ``h`` with ``tf32_states``, the state pass's dR with
+    ``tf32_dr``; session 18: rounding them here, into tiles of their own, cost ~4% of a training step); with
+    ``stages = 1`` they are rounded as loaded (the same values: rounding is idempotent). The fp32 rowsum dG_C reads
+    the rounded S0. ``cast_dvw`` (option ``cast_grads``): dv and dw are stored in the input dtype, rounded to
+    nearest from the same fp32 values (bit-identical to casting the fp32 outputs afterwards).
     """
     import tilelang.language as T
 
@@ -211,9 +218,14 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
     acc = "float32"
     grp = HV // H
     scale = float(scale)
-    if tf32_round and stages > 1:
-        raise ValueError("_wy_bwd_prim: tf32_round needs stages=1")
-    rn = lambda x: tf32_operand(x, tf32_round)  # noqa: E731
+    if not (isinstance(tf32_round, bool) or tf32_round == "dy"):
+        raise ValueError(f"_wy_bwd_prim: tf32_round={tf32_round!r} must be False, True or 'dy'")
+    if tf32_round is True and stages > 1:
+        raise ValueError("_wy_bwd_prim: tf32_round=True needs stages=1 (the rounded copies of all four tiles "
+                         "would not fit in shared memory)")
+    # (formed operands, S0, dR; "dy": the vectorisable arithmetic rounding, as the producers store S0 and dR)
+    rn = (lambda x: tf32_split_hi(x)) if tf32_round == "dy" else (lambda x: tf32_operand(x, tf32_round))  # noqa: E731
+    rn_all = lambda x: tf32_operand(x, tf32_round is True)  # noqa: E731  (R, dS)
     sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, cast_dvw=cast_dvw)
     out = (lambda x: T.cast(x, dtype)) if cast_dvw else (lambda x: x)  # noqa: E731
 
@@ -281,9 +293,9 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
                     else:
                         for i, e in T.Parallel(K, BV):
                             S0s[i, e] = rn(h[bb, slot, hv, i, vb * BV + e])
-                            dSs[i, e] = rn(dh[bb, slot, hv, i, vb * BV + e])
+                            dSs[i, e] = rn_all(dh[bb, slot, hv, i, vb * BV + e])
                         for r, e in T.Parallel(C, BV):
-                            Rs[r, e] = rn(T.if_then_else(r < valid, v_new[bb, t0 + r, hv, vb * BV + e], 0.0))
+                            Rs[r, e] = rn_all(T.if_then_else(r < valid, v_new[bb, t0 + r, hv, vb * BV + e], 0.0))
                             dRs[r, e] = rn(T.if_then_else(r < valid, dv_new[bb, t0 + r, hv, vb * BV + e], 0.0))
                             dOs[r, e] = rn(T.if_then_else(r < valid, T.cast(do[bb, t0 + r, hv, vb * BV + e], acc),
                                                           0.0))
@@ -873,7 +885,7 @@ def _intra_bwd_v2_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, tc=False, fas
 def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool, varlen: bool,
                           aqk_split: bool = True, block_v: int | None = None, stages: int = 2,
                           split_ds: bool = False, split_dr: bool = False, qg_split: bool = False,
-                          dv_name: str = "dv") -> Pipeline:
+                          tf32_dr: bool = False, dv_name: str = "dv") -> Pipeline:
     """Pipeline of the reverse state-gradient pass (one launch, see the module docstring).
 
     Inputs: the forward's scratch ``Aqk`` (and ``AqkL`` when ``aqk_split``, as ``chunk_fwd_pipeline`` stores
@@ -886,8 +898,10 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
     that dR carries no rounding of dS; ``split_dr``: the same for dR in the Y^T dR product; ``qg_split``: an
     input ``QGL`` (after ``GAM``; the training forward's rounding residual of QG, ``chunk_fwd_pipeline``'s
     ``qg_split``) makes QG^T dO two products, so that dS and dh0 carry no rounding of QG, the largest rounding
-    point of this pass (``docs/performance-notes.md``, session 16). ``dv_name`` names the dR output
-    (``chunk_bwd_pipeline`` calls it ``dv_new``, as FLA's gradient of ``v_new``).
+    point of this pass (``docs/performance-notes.md``, session 16); ``tf32_dr``: dR is stored rounded to nearest
+    TF32 (``_common.tf32_split_hi``; the WY launch's ``tf32_round="dy"`` reads it as a TF32 operand; the pass
+    itself uses the fp32 value). ``dv_name`` names the dR output (``chunk_bwd_pipeline`` calls it ``dv_new``, as
+    FLA's gradient of ``v_new``).
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_dstate_pipeline"
@@ -903,11 +917,21 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
                Buf("dh0", ("N", HV, K, V), "float32"))
     kw = dict(HV=HV, K=K, V=V, BV=BV, dtype=dtype, use_dht=bool(use_dht), varlen=bool(varlen), stages=int(stages),
               aqk_split=bool(aqk_split))
-    kw.update({n: True for n, on in (("split_ds", split_ds), ("split_dr", split_dr), ("qg_split", qg_split))
-               if on})  # (in the key only when on)
+    kw.update({n: True for n, on in (("split_ds", split_ds), ("split_dr", split_dr), ("qg_split", qg_split),
+                                     ("tf32_dr", tf32_dr)) if on})  # (in the key only when on)
     launch = Launch(name="gdn2_chunk_dstate", key=("gdn2_chunk_dstate", _VERSION) + tuple(sorted(kw.items())),
                     build=lambda: _dstate_prim(**kw), args=inputs + tuple(b.name for b in outputs))
     return Pipeline(inputs=inputs, scratch=(), outputs=outputs, launches=(launch,), sizes=sizes_fn(varlen, "do"))
+
+
+def training_forward_options(bwd: Pipeline) -> dict:
+    """The options of ``chunk_fwd_pipeline(save_states=True)`` that the backward pipeline ``bwd`` (of
+    :func:`chunk_bwd_pipeline`) expects from the training forward: ``qg_split`` (QG's residual ``QGL`` is among
+    its inputs) and ``tf32_states`` (its WY launch rounds S0's TF32 operands, ``wy_tf32_round``: ``h`` stored
+    rounded). Without them the backward still runs (``KeyError`` for a missing QGL; truncated S0 otherwise)."""
+    wy = [la for la in bwd.launches if la.name == "gdn2_chunk_bwd_wy"]
+    return dict(qg_split="QGL" in bwd.inputs,
+                tf32_states=bool(wy) and dict(wy[0].key[3:]).get("tf32_round", False) is not False)
 
 
 def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
@@ -931,8 +955,8 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     sums GVA groups) and ``dv, dw [B, T, HV, V]``, fp32 or, with ``cast_grads``, in their inputs' dtypes (below). ``local_bwd=False``: the state pass only (outputs ``dh``,
     ``dv`` = dR and ``dh0``), the rest left to the caller (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
-    Options left as None take their value from ``kernels.defaults.BACKWARD`` (``wy_threads`` is 256 when
-    ``wy_load="tma"`` is given). ``split_ds``, ``split_dr``, ``qg_split``: as in
+    Options left as None take their value from ``kernels.defaults.BACKWARD`` (``wy_threads`` is 256 and
+    ``wy_tf32_round`` False when ``wy_load="tma"`` is given). ``split_ds``, ``split_dr``, ``qg_split``: as in
     :func:`chunk_dstate_pipeline` (``qg_split``: the training forward must store ``QGL``, which
     ``chunk_fwd_pipeline(save_states=True)`` does by default when this default is on).
     Options of the chunk-parallel launches: ``intra_v2``: the intra launch's version 2
@@ -944,9 +968,11 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``"sync"`` (masked loads straight into shared memory, BV = 32), ``"async"`` (a two-stage ``cp.async``
     pipeline) or ``"tma"`` (two stages of TMA copies from a producer warpgroup, warp-specialised).
     ``wy_threads`` (256 or 512): the WY launch's block size (512: the same tiles over 16 warps, half the
-    accumulator registers per thread; not with ``"tma"``). ``wy_tf32_round``: the WY launch rounds its TF32
-    operands to nearest instead of letting the tensor core truncate them (``"sync"`` only: the pipelines'
-    rounded copies would not fit in shared memory).
+    accumulator registers per thread; not with ``"tma"``). ``wy_tf32_round``: the WY launch rounds TF32
+    operands to nearest instead of letting the tensor core truncate them: True, all of them (``"sync"`` only: the
+    pipelines' rounded copies would not fit in shared memory); ``"dy"`` (``"sync"`` or ``"async"``), those of
+    the products behind db (dY = -dR S0^T, dEbar = A^T dY, dA += dY Ebar^T, dT) and the others the launch forms
+    itself (dO, Z), leaving the copied R and dS truncated (:func:`_wy_bwd_prim`).
     ``cast_grads``: the launches store the gradients they finish in their inputs' dtypes instead of fp32, rounded
     to nearest from the same fp32 values (bit-identical to ``astype`` on the fp32 outputs, minus that pass over
     memory): dv, dw and db in ``dtype`` always; dg in ``g_dtype`` and dq, dk in ``dtype`` from version 2 of the
@@ -965,8 +991,9 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     if unknown:
         raise ValueError(f"{fn}: unknown option(s) {', '.join(unknown)} (neither a backward option nor one of "
                          "chunk_fwd_pipeline's)")
-    if wy_threads is None and wy_load == "tma":  # (the TMA pipeline exists with 256 threads only)
-        wy_threads = 256
+    if wy_load == "tma":  # (the TMA pipeline exists with 256 threads and truncated TF32 operands only)
+        wy_threads = 256 if wy_threads is None else wy_threads
+        wy_tf32_round = False if wy_tf32_round is None else wy_tf32_round
     given = dict(split_ds=split_ds, split_dr=split_dr, qg_split=qg_split, intra_v2=intra_v2, intra_tc=intra_tc,
                  intra_fast_diag=intra_fast_diag,
                  wy_load=wy_load, wy_threads=wy_threads, wy_tf32_round=wy_tf32_round, cast_grads=cast_grads)
@@ -975,8 +1002,7 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
      cast_grads) = (BACKWARD[n] if v is None else v for n, v in given.items())
     for name, value in (("split_ds", split_ds), ("split_dr", split_dr), ("qg_split", qg_split),
                         ("intra_v2", intra_v2), ("intra_tc", intra_tc),
-                        ("intra_fast_diag", intra_fast_diag), ("wy_tf32_round", wy_tf32_round),
-                        ("cast_grads", cast_grads)):
+                        ("intra_fast_diag", intra_fast_diag), ("cast_grads", cast_grads)):
         if not isinstance(value, bool):
             raise ValueError(f"{fn}: {name}={value!r}{src[name]} must be True or False")
     if reg_diag and intra_v2:
@@ -989,9 +1015,14 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: wy_load={wy_load!r}{src['wy_load']} must be 'sync', 'async' or 'tma'")
     if wy_threads not in (256, 512):
         raise ValueError(f"{fn}: wy_threads={wy_threads!r}{src['wy_threads']} must be 256 or 512")
-    if wy_tf32_round and wy_load != "sync":
+    if not (isinstance(wy_tf32_round, bool) or wy_tf32_round == "dy"):
+        raise ValueError(f"{fn}: wy_tf32_round={wy_tf32_round!r}{src['wy_tf32_round']} must be False, True or 'dy'")
+    if wy_tf32_round is True and wy_load != "sync":
         raise ValueError(f"{fn}: wy_tf32_round=True needs wy_load='sync', got {wy_load!r}{src['wy_load']} (the "
-                         "pipelines' rounded copies would not fit in shared memory)")
+                         "pipelines' rounded copies of all four tiles would not fit in shared memory; 'dy' does)")
+    if wy_tf32_round == "dy" and wy_load == "tma":
+        raise ValueError(f"{fn}: wy_tf32_round='dy'{src['wy_tf32_round']} needs wy_load='sync' or 'async', got "
+                         f"'tma'{src['wy_load']}")
     if wy_threads == 512 and wy_load == "tma":
         raise ValueError(f"{fn}: wy_threads=512{src['wy_threads']} needs wy_load='sync' or 'async' (with 'tma' "
                          "the kernel would not fit in shared memory and registers)")
@@ -999,13 +1030,13 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
               split_ds=split_ds, split_dr=split_dr, qg_split=qg_split, block_v=block_v, stages=stages)
     if not local_bwd:
         return chunk_dstate_pipeline(**kw)
-    state = chunk_dstate_pipeline(**kw, dv_name="dv_new")
+    state = chunk_dstate_pipeline(**kw, dv_name="dv_new", tf32_dr=wy_tf32_round is not False)
     cu = ("cu_seqlens",) if varlen else ()
     kl = dict(H=H, HV=HV, K=K, dtype=dtype, g_dtype=g_dtype, scale=float(scale), varlen=bool(varlen))
     # V-block: 32, or 16 for the 256-thread pipelines (TMA: two stages of 32 would not fit in shared memory;
     # cp.async: chosen with TMA's tile, BV = 32 there not tried)
     kw_wy = dict(kl, V=V, BV=32 if wy_load == "sync" or wy_threads == 512 else 16,
-                 stages=1 if wy_load == "sync" else 2, threads=int(wy_threads), tf32_round=bool(wy_tf32_round))
+                 stages=1 if wy_load == "sync" else 2, threads=int(wy_threads), tf32_round=wy_tf32_round)
     # cast_grads: which gradients leave the kernels in their inputs' dtypes (name -> dtype), the rest fp32
     cast = {}
     if cast_grads:

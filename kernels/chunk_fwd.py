@@ -38,7 +38,7 @@ docs/performance-notes.md, session 4.
 """
 
 from . import defaults, registry
-from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params, rounding_residual, tf32_operand
+from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params, rounding_residual, tf32_operand, tf32_split_hi
 from ._pipeline import Buf, Launch, Pipeline
 
 __all__ = ["chunk_fwd_pipeline", "num_chunk_slots"]
@@ -550,7 +550,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
 # ----------------------------------------------------------------------------------------------------------------
 # launch 2: sequential state passing + output
 # ----------------------------------------------------------------------------------------------------------------
-def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_split=False, save_states=False):
+def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_split=False, save_states=False,
+                tf32_h=False):
     import tilelang.language as T
 
     C = CHUNK
@@ -598,9 +599,9 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
                     T.copy(AqkL[bb, bos + j * C:bos + j * C + C, hv, :], AsL)
                 T.copy(U[bb, bos + j * C:bos + j * C + C, hv, v0:v0 + BV], Us)
                 T.copy(GAM[bb, sbase + j, hv, :], gs)
-                if save_states:  # the chunk's start state (FLA ``h``), fp32
+                if save_states:  # the chunk's start state (FLA ``h``), fp32 (rounded to TF32 with tf32_h)
                     for i, e in T.Parallel(K, BV):
-                        h[bb, sbase + j, hv, i, v0 + e] = S[i, e]
+                        h[bb, sbase + j, hv, i, v0 + e] = tf32_split_hi(S[i, e]) if tf32_h else S[i, e]
                 T.copy(S, Sb)
                 T.gemm(Ys, Sb, Rf, clear_accum=True)
                 T.gemm(Qs, Sb, Of, clear_accum=True)
@@ -652,7 +653,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        intra_min_blocks: int = 2, exact_diag: bool = False, exact_self: bool = False,
                        tf32_round: bool = False, aqk_split: bool = True, save_states: bool = False,
                        intra_prefetch: bool | None = None, z_split: bool | None = None,
-                       qg_split: bool | None = None) -> Pipeline:
+                       qg_split: bool | None = None, tf32_states: bool | None = None) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -683,6 +684,11 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``kernels.defaults.BACKWARD["qg_split"]``): launch 1 also stores ``QGL``, the rounding residual of QG in the
     input dtype, for the reverse state pass (``kernels.chunk_bwd.chunk_dstate_pipeline``); the forward's results
     are unchanged.
+    ``tf32_states`` (training forward only; default: on when ``save_states`` and
+    ``kernels.defaults.BACKWARD["wy_tf32_round"]`` is not False): ``h`` is stored rounded to nearest TF32
+    (``_common.tf32_split_hi``), the
+    precision at which the backward's WY launch reads it (its ``tf32_round="dy"``; rounding there cost ~4% of a
+    training step, session 18); the forward's results are unchanged.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -707,6 +713,14 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: qg_split must be a bool, got {qg_split!r}{qg_origin}")
     if qg_split and not save_states:
         raise ValueError(f"{fn}: qg_split=True needs save_states=True (QGL is read by the backward only)")
+    ts_origin = ""
+    if tf32_states is None:
+        tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] is not False
+        ts_origin = " (from kernels.defaults.BACKWARD)"
+    if not isinstance(tf32_states, bool):
+        raise ValueError(f"{fn}: tf32_states must be a bool, got {tf32_states!r}{ts_origin}")
+    if tf32_states and not save_states:
+        raise ValueError(f"{fn}: tf32_states=True needs save_states=True (h is stored for the backward only)")
     registry.get("chunk_gdn2").support.check(fn, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale)
     scale = float(scale)
     BV = min(V, 16 if HV < 32 else 32) if block_v is None else int(block_v)
@@ -752,7 +766,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     )
     kw2 = dict(HV=HV, K=K, V=V, BV=BV, dtype=dtype, use_h0=bool(use_initial_state),
                store_ht=bool(output_final_state), varlen=bool(varlen), stages=int(stages))
-    kw2.update({n: True for n, on in (("aqk_split", aqk_split), ("save_states", save_states)) if on})
+    kw2.update({n: True for n, on in (("aqk_split", aqk_split), ("save_states", save_states),
+                                      ("tf32_h", tf32_states)) if on})
     state = Launch(
         name="gdn2_chunk_state_o",
         key=("gdn2_chunk_state_o", _VERSION) + tuple(sorted(kw2.items())),

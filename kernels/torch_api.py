@@ -184,10 +184,12 @@ def _chunk_autograd():
 
         @staticmethod
         def forward(ctx, q, k, v, g, b, w, initial_state, cu_seqlens, cfg):
+            from .chunk_bwd import training_forward_options
+
             op = registry.get("chunk_gdn2")
             cfg = dict(cfg)
             bwd = op.backward_pipeline(**cfg)
-            train = op.pipeline(**dict(cfg, save_states=True, qg_split="QGL" in bwd.inputs))
+            train = op.pipeline(**dict(cfg, save_states=True, **training_forward_options(bwd)))
             ins = _inputs(q, k, v, g, b, w, initial_state, cu_seqlens)
             res = run_pipeline(train, ins, return_scratch=True)
             keep = tuple(n for n in bwd.inputs if n in res)

@@ -398,8 +398,14 @@ def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
     default = keys()
     assert default == keys(**{n: v for n, v in defaults.BACKWARD.items() if n != "split_ds"})
     wys = {keys(wy_load=m, wy_threads=t, wy_tf32_round=r)[0] for m in ("sync", "async", "tma") for t in (256, 512)
-           for r in (False, True) if (m != "tma" or t == 256) and (m == "sync" or not r)}
-    assert len(wys) == 7
+           for r in (False, True, "dy") if (m != "tma" or t == 256) and (m == "sync" or r is not True)
+           and (m != "tma" or r is False)}
+    assert len(wys) == 11
+    with pytest.raises(ValueError, match="wy_tf32_round='dy' needs wy_load='sync' or 'async'"):
+        op.backward_pipeline(**kw, wy_load="tma", wy_tf32_round="dy")
+    for bad in (2, "yes", "all"):  # (not 0 or 1: the memoised pipelines of False and True would answer)
+        with pytest.raises(ValueError, match="must be False, True or 'dy'"):
+            op.backward_pipeline(**kw, wy_tf32_round=bad)
     assert keys(intra_v2=False)[1] != default[1] and keys(intra_v2=False)[0] == default[0]
     intras = {keys(intra_v2=True, intra_tc=t, intra_fast_diag=f)[1] for t in (False, True) for f in (False, True)}
     assert len(intras | {keys(intra_v2=False)[1]}) == 5 and keys(intra_tc=True)[0] == default[0]
@@ -466,6 +472,56 @@ def test_precision_options_of_session_16_are_checked_keyed_and_wired(monkeypatch
         monkeypatch.setitem(defaults.BACKWARD, "qg_split", v)
         assert ("QGL" in chunk_fwd_pipeline(**kw, save_states=True).launches[0].args) == v
     monkeypatch.undo()
+
+
+def test_tf32_rounded_operands_of_session_18_are_keyed_wired_and_emitted(monkeypatch):
+    """``wy_tf32_round="dy"`` (session 18, an option): the WY launch rounds the operands behind db, and
+    their producers store them rounded: the training forward's ``h`` (``tf32_states``, its state launch keyed
+    ``tf32_h``) and the state pass's dR (``tf32_dr``). With ``wy_tf32_round=False`` none of the three is rounded
+    and the launches keep session 17's keys; ``training_forward_options`` gives the training forward each backward
+    expects (JAX, torch and ``kernels.build`` use it); the rounding (``_common.tf32_split_hi``: t = 8193 x,
+    t - (t - x)) is in the stores' TIR exactly when on; bad values raise naming the option."""
+    from kernels import build, defaults
+    from kernels.chunk_bwd import _dstate_prim, training_forward_options
+    from kernels.chunk_fwd import _state_prim, chunk_fwd_pipeline
+
+    op = registry.get("chunk_gdn2")
+    kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    on, off = op.backward_pipeline(**kw, wy_tf32_round="dy"), op.backward_pipeline(**kw, wy_tf32_round=False)
+    default = on if defaults.BACKWARD["wy_tf32_round"] == "dy" else off
+    assert op.backward_pipeline(**kw).launches[0].key == default.launches[0].key
+    assert dict(on.launches[0].key[2:])["tf32_dr"] is True and "tf32_dr" not in dict(off.launches[0].key[2:])
+    assert dict(on.launches[1].key[3:])["tf32_round"] == "dy" and dict(off.launches[1].key[3:])["tf32_round"] is False
+    assert training_forward_options(on) == dict(qg_split=True, tf32_states=True)
+    assert training_forward_options(off) == dict(qg_split=True, tf32_states=False)
+    assert training_forward_options(op.backward_pipeline(**kw, local_bwd=False))["tf32_states"] is False
+    assert "tf32_dr" not in dict(op.backward_pipeline(**kw, local_bwd=False).launches[0].key[2:])
+    state = {v: chunk_fwd_pipeline(**kw, save_states=True, tf32_states=v).launches[1] for v in (False, True)}
+    assert dict(state[True].key[2:])["tf32_h"] is True and "tf32_h" not in dict(state[False].key[2:])
+    monkeypatch.setitem(defaults.BACKWARD, "wy_tf32_round", "dy")
+    assert chunk_fwd_pipeline(**kw, save_states=True).launches[1].key == state[True].key  # (follows the backward's)
+    monkeypatch.undo()
+    assert "tf32_h" not in dict(chunk_fwd_pipeline(**kw).launches[1].key[2:])  # (inference: no h stored)
+    with pytest.raises(ValueError, match="tf32_states=True needs save_states=True"):
+        chunk_fwd_pipeline(**kw, tf32_states=True)
+    with pytest.raises(ValueError, match="tf32_states must be a bool, got 'yes'"):
+        chunk_fwd_pipeline(**kw, save_states=True, tf32_states="yes")
+    monkeypatch.setitem(defaults.BACKWARD, "wy_tf32_round", False)
+    assert chunk_fwd_pipeline(**kw, save_states=True).launches[1].key == state[False].key
+    monkeypatch.undo()
+    # kernels.build: a backward variant builds the training forward it expects
+    for v in (False, "dy"):
+        train = [build._pipe("chunk_gdn2", c, p).launches[i].key for n, c, p, i, _ in
+                 build.plan([dict(build.cfg(2, 4, 128), wy_tf32_round=v)], ("chunk_gdn2",), "sm_90a") if p == "train"]
+        assert [dict(k[2:]).get("tf32_h", False) for k in train if k[0] == "gdn2_chunk_state_o"] == [v == "dy"]
+    # the rounding in the TIR of the stores
+    ds = dict(HV=4, K=128, V=128, BV=32, dtype="bfloat16", use_dht=True, varlen=False, stages=2, aqk_split=True)
+    st = dict(HV=4, K=128, V=128, BV=32, dtype="bfloat16", use_h0=True, store_ht=True, varlen=False, stages=2,
+              save_states=True)
+    for make, name, args in ((_dstate_prim, "tf32_dr", ds), (_state_prim, "tf32_h", st)):
+        assert "8193" in str(make(**args, **{name: True})), name  # (2^13 + 1: Veltkamp's split factor)
+        assert "8193" not in str(make(**args)), name
 
 
 def _written_params(func) -> set:
@@ -752,7 +808,9 @@ def _kernels_to_build():
                              (True, 64, dict(intra_tc=True)), (False, 128, dict(intra_tc=True, intra_fast_diag=True)),
                              (True, 128, dict(intra_fast_diag=True)),
                              (True, 128, dict(wy_load="tma", wy_threads=256)),
-                             (False, 128, dict(wy_load="sync", wy_threads=512, wy_tf32_round=True))):  # options
+                             (False, 128, dict(wy_load="sync", wy_threads=512, wy_tf32_round=True)),
+                             (True, 64, dict(wy_load="sync", wy_threads=256, wy_tf32_round="dy")),
+                             (False, 128, dict(wy_tf32_round=False))):  # options
         tag = "-".join(f"{n}{v}" for n, v in opts.items())
         out.append((f"chunk-backward-{tag}-varlen{varlen}-k{kv}", registry.get("chunk_gdn2").backward_pipeline(
             H=2, HV=4, K=kv, V=kv, dtype="bfloat16", g_dtype="float32", scale=kv ** -0.5, use_initial_state=True,
