@@ -161,20 +161,22 @@ fi
     && [[ -n "$diag" ]] && tar -czf diag.tgz $diag && rm -rf $diag )
 # what comes back for the next call: compiled kernels and FLA's new autotune results
 # (KCACHE_PRESETS=bench,layers: only those presets' kernels, to keep the carried cache small)
+keep=
 if [[ "${KCACHE_BACK:-1}" == 1 && -n "${KCACHE_PRESETS:-}" ]]; then
-  python - "$KCACHE_PRESETS" > /tmp/kcache-keep.txt <<'PY'
+  python - "$KCACHE_PRESETS" > /tmp/kcache-keep.txt <<'PY' && [[ -s /tmp/kcache-keep.txt ]] && keep=1
 import sys
 from benchmarks import bench_lib
 from kernels import _compile, build
 arch, root = _compile.device_arch(), _compile.cache_dir()
 work = build.plan([c for p in sys.argv[1].split(",") for c in build.preset(p)], tuple(build.registry.OPS), arch)
 work += [w for name, c in bench_lib.bench_kernel_configs(sweep=False) for w in build.plan([c], (name,), arch)]
-for name, kw, part, i, a in work:  # (the compiled ones: a preset may hold kernels this call did not build)
-    path = _compile.library_path(build._pipe(name, kw, part).launches[i], a)
-    if path.exists():
-        print(path.relative_to(root))
+paths = {_compile.library_path(build._pipe(name, kw, part).launches[i], a) for name, kw, part, i, a in work}
+for path in sorted(p for p in paths if p.exists()):  # (the compiled ones: a preset may hold some not built here)
+    print(path.relative_to(root))
 PY
-  tar -cz -C .kcache -T /tmp/kcache-keep.txt | split -b 15M - "$OUT/kcache.tgz.part-"
+  [[ -n "$keep" ]] || echo "KCACHE_PRESETS: no list of kernels (see above); returning the whole cache" | tee -a "$LOG"
+fi
+if [[ -n "$keep" ]]; then tar -cz -C .kcache -T /tmp/kcache-keep.txt | split -b 15M - "$OUT/kcache.tgz.part-"
 elif [[ "${KCACHE_BACK:-1}" == 1 ]]; then tar -cz -C .kcache . 2>/dev/null | split -b 15M - "$OUT/kcache.tgz.part-"; fi
 ( cd "$TRITON_CACHE_DIR" && ls */*.autotune.json >/dev/null 2>&1 && tar -czf "$OUT/fla-autotune-new.tgz" */*.autotune.json )
 ls -la "$OUT" | tail -9

@@ -5,7 +5,7 @@ Part of every kernel's cache key (``kernels/_compile.py`` hashes the ``_common*.
 
 from __future__ import annotations
 
-__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "drop_params", "tf32_operand", "tf32_split_hi"]
+__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "drop_params", "tf32_operand"]
 
 #: Chunk length of the chunked (WY) form. FLA fixes 64 for GDN-2 (4 sub-chunks of 16).
 CHUNK = 64
@@ -36,17 +36,6 @@ def rounding_residual(x, dtype: str):
     import tilelang.language as T
 
     return T.cast(x - T.cast(T.cast(x, dtype), "float32"), dtype)
-
-
-def tf32_split_hi(x):
-    """The fp32 value ``x`` rounded to TF32 precision by arithmetic (TileLang expression, inside a kernel):
-    Veltkamp's split ``t = x * (2^13 + 1)``, ``hi = t - (t - x)`` keeps the leading 11 significant bits of ``x``
-    rounded to nearest (a TF32 value: the tensor core reads it exactly). Unlike :func:`tf32_operand`'s integer
-    form it stays vectorisable (float2 / float4 stores); |x| < 2^114 (no overflow of ``t``). With ``t - x``
-    contracted into one fma (nvcc's default) the result is still x rounded to 11 bits (10 for the few mantissas
-    at the top of a binade that ``t`` carries into the next one)."""
-    t = x * 8193.0
-    return t - (t - x)
 
 
 def tf32_operand(x, rounded: bool):

@@ -24,7 +24,7 @@ still jnp (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
 
 from . import registry
-from ._common import CHUNK, LOG2E, drop_params, rounding_residual, tf32_operand, tf32_split_hi
+from ._common import CHUNK, LOG2E, drop_params, rounding_residual, tf32_operand
 from ._pipeline import Buf, Launch, Pipeline
 from .chunk_fwd import locate_chunk, seq_span, sizes_fn
 
@@ -124,7 +124,7 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                     T.gemm(AsL, dOs, dRf, transpose_A=True)
                 for r, e in T.Parallel(C, BV):
                     if j * C + r < ln:
-                        dv[bb, t0 + r, hv, v0 + e] = tf32_split_hi(dRf[r, e]) if tf32_dr else dRf[r, e]
+                        dv[bb, t0 + r, hv, v0 + e] = tf32_operand(dRf[r, e], tf32_dr)  # (as the WY launch reads it)
                 for r, e in T.Parallel(C, BV):  # -dR (masked) as the operand of the Y^T product
                     dRb[r, e] = T.if_then_else(j * C + r < ln, T.cast(-dRf[r, e], dtype), T.cast(0, dtype))
                 if split_dr:
@@ -201,13 +201,12 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
     reach rows and columns of dY, dKG, dAq and dA that are masked or multiplied by zero rows of A^T (A is
     lower-triangular within the chunk's valid rows).
     ``tf32_round``: TF32 operands rounded to nearest in shared memory instead of truncated by the tensor core.
-    True (``stages = 1`` only): every operand (``_common.tf32_operand``, integer form). ``"dy"``: the operands
-    the launch forms itself (A^T, dO, Z, Ebar, dY, dA, A^T dA) and S0 and dR (dY = -dR S0^T, behind dEbar and
-    db), R and dS (dKG, dAqk) left truncated (``_common.tf32_split_hi``, arithmetic form: the integer form kept
-    TileLang from vectorising the stores it sits in). With ``stages = 2`` S0 and dR are used as copied: their
-    producers store them rounded (the training forward's ``h`` with ``tf32_states``, the state pass's dR with
-    ``tf32_dr``; session 18: rounding them here, into tiles of their own, cost ~4% of a training step); with
-    ``stages = 1`` they are rounded as loaded (the same values: rounding is idempotent). The fp32 rowsum dG_C reads
+    True (``stages = 1`` only): every operand (``_common.tf32_operand``). ``"dy"``: the operands the launch forms
+    itself (A^T, dO, Z, Ebar, dY, dA, A^T dA) and S0 and dR (dY = -dR S0^T, behind dEbar and db), R and dS (dKG,
+    dAqk) left truncated. With ``stages = 2`` S0 and dR are used as copied: their producers store them rounded
+    (the training forward's ``h`` with ``tf32_states``, the state pass's dR with ``tf32_dr``; session 18: rounding
+    them here, into tiles of their own, cost ~4% of a training step); with ``stages = 1`` they are rounded as
+    loaded (the same values: rounding is idempotent). The fp32 rowsum dG_C reads
     the rounded S0. ``cast_dvw`` (option ``cast_grads``): dv and dw are stored in the input dtype, rounded to
     nearest from the same fp32 values (bit-identical to casting the fp32 outputs afterwards).
     """
@@ -223,8 +222,7 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
     if tf32_round is True and stages > 1:
         raise ValueError("_wy_bwd_prim: tf32_round=True needs stages=1 (the rounded copies of all four tiles "
                          "would not fit in shared memory)")
-    # (formed operands, S0, dR; "dy": the vectorisable arithmetic rounding, as the producers store S0 and dR)
-    rn = (lambda x: tf32_split_hi(x)) if tf32_round == "dy" else (lambda x: tf32_operand(x, tf32_round))  # noqa: E731
+    rn = lambda x: tf32_operand(x, bool(tf32_round))  # noqa: E731  (formed operands, S0, dR)
     rn_all = lambda x: tf32_operand(x, tf32_round is True)  # noqa: E731  (R, dS)
     sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, cast_dvw=cast_dvw)
     out = (lambda x: T.cast(x, dtype)) if cast_dvw else (lambda x: x)  # noqa: E731
@@ -899,8 +897,7 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
     input ``QGL`` (after ``GAM``; the training forward's rounding residual of QG, ``chunk_fwd_pipeline``'s
     ``qg_split``) makes QG^T dO two products, so that dS and dh0 carry no rounding of QG, the largest rounding
     point of this pass (``docs/performance-notes.md``, session 16); ``tf32_dr``: dR is stored rounded to nearest
-    TF32 (``_common.tf32_split_hi``; the WY launch's ``tf32_round="dy"`` reads it as a TF32 operand; the pass
-    itself uses the fp32 value). ``dv_name`` names the dR output (``chunk_bwd_pipeline`` calls it ``dv_new``, as
+    TF32 (the WY launch's ``tf32_round="dy"`` reads it as a TF32 operand; the pass itself uses the fp32 value). ``dv_name`` names the dR output (``chunk_bwd_pipeline`` calls it ``dv_new``, as
     FLA's gradient of ``v_new``).
     Raises ``ValueError`` for unsupported configurations.
     """
@@ -927,11 +924,11 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
 def training_forward_options(bwd: Pipeline) -> dict:
     """The options of ``chunk_fwd_pipeline(save_states=True)`` that the backward pipeline ``bwd`` (of
     :func:`chunk_bwd_pipeline`) expects from the training forward: ``qg_split`` (QG's residual ``QGL`` is among
-    its inputs) and ``tf32_states`` (its WY launch rounds S0's TF32 operands, ``wy_tf32_round``: ``h`` stored
+    its inputs) and ``tf32_states`` (its WY launch's ``wy_tf32_round="dy"`` reads S0 as stored: ``h`` stored
     rounded). Without them the backward still runs (``KeyError`` for a missing QGL; truncated S0 otherwise)."""
     wy = [la for la in bwd.launches if la.name == "gdn2_chunk_bwd_wy"]
     return dict(qg_split="QGL" in bwd.inputs,
-                tf32_states=bool(wy) and dict(wy[0].key[3:]).get("tf32_round", False) is not False)
+                tf32_states=bool(wy) and dict(wy[0].key[3:]).get("tf32_round", False) == "dy")
 
 
 def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
@@ -1030,7 +1027,7 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
               split_ds=split_ds, split_dr=split_dr, qg_split=qg_split, block_v=block_v, stages=stages)
     if not local_bwd:
         return chunk_dstate_pipeline(**kw)
-    state = chunk_dstate_pipeline(**kw, dv_name="dv_new", tf32_dr=wy_tf32_round is not False)
+    state = chunk_dstate_pipeline(**kw, dv_name="dv_new", tf32_dr=wy_tf32_round == "dy")
     cu = ("cu_seqlens",) if varlen else ()
     kl = dict(H=H, HV=HV, K=K, dtype=dtype, g_dtype=g_dtype, scale=float(scale), varlen=bool(varlen))
     # V-block: 32, or 16 for the 256-thread pipelines (TMA: two stages of 32 would not fit in shared memory;

@@ -38,7 +38,7 @@ docs/performance-notes.md, session 4.
 """
 
 from . import defaults, registry
-from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params, rounding_residual, tf32_operand, tf32_split_hi
+from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params, rounding_residual, tf32_operand
 from ._pipeline import Buf, Launch, Pipeline
 
 __all__ = ["chunk_fwd_pipeline", "num_chunk_slots"]
@@ -601,7 +601,7 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
                 T.copy(GAM[bb, sbase + j, hv, :], gs)
                 if save_states:  # the chunk's start state (FLA ``h``), fp32 (rounded to TF32 with tf32_h)
                     for i, e in T.Parallel(K, BV):
-                        h[bb, sbase + j, hv, i, v0 + e] = tf32_split_hi(S[i, e]) if tf32_h else S[i, e]
+                        h[bb, sbase + j, hv, i, v0 + e] = tf32_operand(S[i, e], tf32_h)
                 T.copy(S, Sb)
                 T.gemm(Ys, Sb, Rf, clear_accum=True)
                 T.gemm(Qs, Sb, Of, clear_accum=True)
@@ -685,10 +685,9 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     input dtype, for the reverse state pass (``kernels.chunk_bwd.chunk_dstate_pipeline``); the forward's results
     are unchanged.
     ``tf32_states`` (training forward only; default: on when ``save_states`` and
-    ``kernels.defaults.BACKWARD["wy_tf32_round"]`` is not False): ``h`` is stored rounded to nearest TF32
-    (``_common.tf32_split_hi``), the
-    precision at which the backward's WY launch reads it (its ``tf32_round="dy"``; rounding there cost ~4% of a
-    training step, session 18); the forward's results are unchanged.
+    ``kernels.defaults.BACKWARD["wy_tf32_round"]`` is ``"dy"``): ``h`` is stored rounded to nearest TF32
+    (``_common.tf32_operand``), the precision at which the backward's WY launch reads it (its
+    ``tf32_round="dy"``); the forward's results are unchanged.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -715,7 +714,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: qg_split=True needs save_states=True (QGL is read by the backward only)")
     ts_origin = ""
     if tf32_states is None:
-        tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] is not False
+        tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] == "dy"
         ts_origin = " (from kernels.defaults.BACKWARD)"
     if not isinstance(tf32_states, bool):
         raise ValueError(f"{fn}: tf32_states must be a bool, got {tf32_states!r}{ts_origin}")

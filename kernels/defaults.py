@@ -37,7 +37,7 @@ FORWARD = dict(intra_prefetch=True, z_split=True)
 #: 3.71; synchronous, 512: 3.56; session 10). ``wy_tf32_round="dy"`` (session 18, off): the operands of the
 #: products behind db rounded to nearest instead of truncated by the tensor core, S0 and dR by their producers:
 #: db on the audit's seed 4 2.38e-3 instead of 3.16e-3 (FLA 2.52e-3), every gradient below FLA's on six seeds, but
-#: +3.5-6% per training step on the H100 in its first two forms (the third, arithmetic rounding, not yet timed).
+#: +4.9-6.6% per training step on the H100 (the WY launch's own rounding sites; session 18's notes).
 #: ``intra_tc``: version 2's off-diagonal blocks as TF32 tensor-core products (4.29 ms instead of 2.99 at B4 T4096
 #: H32, session 11: two blocks of 4 warps per SM). ``intra_fast_diag``: its diagonal blocks anchored at their
 #: middle rows where the decay allows (3.07 ms instead of 2.99, session 11). Both stay off.

@@ -657,12 +657,7 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, opts):
     from kernels.chunk_bwd import chunk_dstate_pipeline
 
     H, HV, K_, V_ = 2, 4, 128, 128
-    cu = [0, 0, 70, 200] if varlen else None
-    B, T, N = (1, 200, 3) if varlen else (2, 200, 2)
-    x = _gpu_inputs(21, B, T, H, HV, K_, V_, False, "spec")
-    x["h0"] = np.random.default_rng(22).standard_normal((N, HV, K_, V_)).astype(np.float32)
-    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
-                          use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)
+    cu, (B, T, N), x, cfg = _packed_case(21, varlen, H, HV, K_, V_)
     qgs = bool(opts.get("qg_split"))
     t, fwd = _training_forward(registry.get("chunk_gdn2"), dict(cfg, qg_split=qgs), x, cu)
     rng = np.random.default_rng(23)
@@ -713,6 +708,59 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, opts):
                 assert r <= 0.95 * r_q, (n_, name, r, "vs the twin without QGL:", r_q)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_tf32_rounded_states_and_dr(varlen):
+    """``wy_tf32_round="dy"``'s producers (session 18): the training forward with ``tf32_states`` stores every
+    chunk start state ``h`` as a TF32 value (the low 13 mantissa bits zero) and the reverse state pass with
+    ``tf32_dr`` stores dR (``dv_new``) so; without the options some of those bits are set (the stores are not
+    rounded). The rounded values are each within half a TF32 ulp of the unrounded run's (same inputs, same
+    arithmetic before the store). Dense T = 200 and packed 0 / 70 / 130 tokens."""
+    import torch
+
+    from kernels import registry, torch_api
+    from kernels.chunk_bwd import training_forward_options
+
+    H, HV, K_, V_ = 2, 4, 128, 128
+    cu, (B, T, N), x, cfg = _packed_case(41, varlen, H, HV, K_, V_)
+    op = registry.get("chunk_gdn2")
+    do = _torch(_bf16(np.random.default_rng(43).standard_normal((B, T, HV, V_))))
+    got = {}
+    for mode in (False, "dy"):
+        bwd = op.backward_pipeline(**cfg, wy_tf32_round=mode)
+        t, fwd = _training_forward(op, dict(cfg, **training_forward_options(bwd)), x, cu)
+        ins = {n: (fwd[n] if n in fwd else t[n]) for n in bwd.inputs if n not in ("do", "dht")}
+        ins.update(do=do, dht=torch.zeros_like(fwd["ht"]))
+        r = torch_api.run_pipeline(bwd, ins, return_scratch=True)
+        torch.cuda.synchronize()
+        # (the chunk slots a sequence uses: sequence n's chunks from slot n + start // 64, as the forward lays them)
+        used = ([n + s // 64 + c for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])) for c in range(-(-(e - s) // 64))]
+                if varlen else slice(None))
+        got[mode] = dict(h=fwd["h"][:, used], dR=r["dv_new"])
+    for n in ("h", "dR"):
+        on, off = got["dy"][n], got[False][n]
+        assert torch.isfinite(on).all() and on.numel() > 0, n
+        assert ((on.view(torch.int32) & 0x1FFF) == 0).all(), n
+        assert ((off.view(torch.int32) & 0x1FFF) != 0).any(), n
+        ulp = torch.ldexp(torch.ones_like(off), torch.frexp(off).exponent - 11)  # (TF32: 11 significant bits)
+        assert ((on - off).abs() <= 0.5 * ulp).all(), n
+
+
+def _packed_case(seed, varlen, H, HV, K_, V_, gdist="spec", dtype="bfloat16", g_dtype="float32", l2=False):
+    """The case of the GPU backward-stage tests: dense B2 T200, or packed sequences of 0, 70 and 130 tokens
+    (``cu``); inputs ``_gpu_inputs(seed, ..., gdist)`` (float32 / bf16-valued numpy) with a random fp32 initial
+    state (seed + 1); the registry configuration with h0 and ht on. Returns ``cu, (B, T, N), x, cfg``."""
+    from kernels import registry
+
+    cu = [0, 0, 70, 200] if varlen else None
+    B, T, N = (1, 200, 3) if varlen else (2, 200, 2)
+    x = _gpu_inputs(seed, B, T, H, HV, K_, V_, False, gdist)
+    x["h0"] = np.random.default_rng(seed + 1).standard_normal((N, HV, K_, V_)).astype(np.float32)
+    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype=dtype, g_dtype=g_dtype, scale=K_ ** -0.5,
+                          use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=l2)
+    return cu, (B, T, N), x, cfg
+
+
 def _training_forward(op, cfg, x, cu):
     """The inputs ``x`` (numpy) as CUDA tensors (with ``cu_seqlens`` when ``cu`` is given) and the training
     forward's outputs with its scratch (what the backward pipeline reads)."""
@@ -743,16 +791,11 @@ def test_gpu_cast_grads_bit_identical_to_casting_fp32(H, HV, K_, V_, dtype, g_dt
 
     from kernels import registry, torch_api
 
-    cu = [0, 0, 70, 200] if varlen else None
-    B, T, N = (1, 200, 3) if varlen else (2, 200, 2)
-    x = _gpu_inputs(41, B, T, H, HV, K_, V_, False, "swept")
-    x["h0"] = np.random.default_rng(42).standard_normal((N, HV, K_, V_)).astype(np.float32)
+    cu, (B, T, N), x, cfg = _packed_case(41, varlen, H, HV, K_, V_, "swept", dtype, g_dtype, l2)
     if dtype == "float16":
         x.update({n: np.asarray(x[n], np.float32).astype(np.float16) for n in "qkvbw"})
     if g_dtype == "bfloat16":
         x["g"] = _bf16(x["g"])
-    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype=dtype, g_dtype=g_dtype, scale=K_ ** -0.5,
-                          use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=l2)
     op = registry.get("chunk_gdn2")
     t, fwd = _training_forward(op, cfg, x, cu)
     rng = np.random.default_rng(43)
@@ -810,12 +853,7 @@ def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist, opts):
     from kernels.chunk_bwd import training_forward_options
 
     H, HV, K_, V_ = 2, 4, 128, 128
-    cu = [0, 0, 70, 200] if varlen else None
-    B, T, N = (1, 200, 3) if varlen else (2, 200, 2)
-    x = _gpu_inputs(31, B, T, H, HV, K_, V_, False, gdist)
-    x["h0"] = np.random.default_rng(32).standard_normal((N, HV, K_, V_)).astype(np.float32)
-    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
-                          use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=False)
+    cu, (B, T, N), x, cfg = _packed_case(31, varlen, H, HV, K_, V_, gdist)
     op = registry.get("chunk_gdn2")
     pipe = op.backward_pipeline(**cfg, **opts)
     # (the training forward with the variant's forward options; QGL when the variant's state pass reads it, h

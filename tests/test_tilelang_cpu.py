@@ -479,8 +479,9 @@ def test_tf32_rounded_operands_of_session_18_are_keyed_wired_and_emitted(monkeyp
     their producers store them rounded: the training forward's ``h`` (``tf32_states``, its state launch keyed
     ``tf32_h``) and the state pass's dR (``tf32_dr``). With ``wy_tf32_round=False`` none of the three is rounded
     and the launches keep session 17's keys; ``training_forward_options`` gives the training forward each backward
-    expects (JAX, torch and ``kernels.build`` use it); the rounding (``_common.tf32_split_hi``: t = 8193 x,
-    t - (t - x)) is in the stores' TIR exactly when on; bad values raise naming the option."""
+    expects (JAX, torch and ``kernels.build`` use it); the rounding (``_common.tf32_operand``: add 0x1000, clear the
+    low 13 bits) is in the stores' TIR exactly when on; bad values raise naming the option. (On the GPU:
+    ``tests/test_stages.py::test_gpu_tf32_rounded_states_and_dr``.)"""
     from kernels import build, defaults
     from kernels.chunk_bwd import _dstate_prim, training_forward_options
     from kernels.chunk_fwd import _state_prim, chunk_fwd_pipeline
@@ -495,6 +496,9 @@ def test_tf32_rounded_operands_of_session_18_are_keyed_wired_and_emitted(monkeyp
     assert dict(on.launches[1].key[3:])["tf32_round"] == "dy" and dict(off.launches[1].key[3:])["tf32_round"] is False
     assert training_forward_options(on) == dict(qg_split=True, tf32_states=True)
     assert training_forward_options(off) == dict(qg_split=True, tf32_states=False)
+    sync_all = op.backward_pipeline(**kw, wy_load="sync", wy_tf32_round=True)  # (rounds S0 and dR itself)
+    assert training_forward_options(sync_all)["tf32_states"] is False and "tf32_dr" not in dict(
+        sync_all.launches[0].key[2:])
     assert training_forward_options(op.backward_pipeline(**kw, local_bwd=False))["tf32_states"] is False
     assert "tf32_dr" not in dict(op.backward_pipeline(**kw, local_bwd=False).launches[0].key[2:])
     state = {v: chunk_fwd_pipeline(**kw, save_states=True, tf32_states=v).launches[1] for v in (False, True)}
@@ -520,8 +524,8 @@ def test_tf32_rounded_operands_of_session_18_are_keyed_wired_and_emitted(monkeyp
     st = dict(HV=4, K=128, V=128, BV=32, dtype="bfloat16", use_h0=True, store_ht=True, varlen=False, stages=2,
               save_states=True)
     for make, name, args in ((_dstate_prim, "tf32_dr", ds), (_state_prim, "tf32_h", st)):
-        assert "8193" in str(make(**args, **{name: True})), name  # (2^13 + 1: Veltkamp's split factor)
-        assert "8193" not in str(make(**args)), name
+        assert "4294959104" in str(make(**args, **{name: True})), name  # (0xFFFFE000: the TF32 mantissa mask)
+        assert "4294959104" not in str(make(**args)), name
 
 
 def _written_params(func) -> set:
