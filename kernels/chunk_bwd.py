@@ -206,9 +206,9 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
     dAqk) left truncated. With ``stages = 2`` S0 and dR are used as copied: their producers store them rounded
     (the training forward's ``h`` with ``tf32_states``, the state pass's dR with ``tf32_dr``; session 18: rounding
     them here, into tiles of their own, cost ~4% of a training step); with ``stages = 1`` they are rounded as
-    loaded (the same values: rounding is idempotent). The fp32 rowsum dG_C reads
-    the rounded S0. ``cast_dvw`` (option ``cast_grads``): dv and dw are stored in the input dtype, rounded to
-    nearest from the same fp32 values (bit-identical to casting the fp32 outputs afterwards).
+    loaded (the same values: rounding is idempotent). The fp32 rowsum dG_C reads the rounded S0.
+    ``cast_dvw`` (option ``cast_grads``): dv and dw are stored in the input dtype, rounded to nearest from the same
+    fp32 values (bit-identical to casting the fp32 outputs afterwards).
     """
     import tilelang.language as T
 
@@ -897,8 +897,8 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
     input ``QGL`` (after ``GAM``; the training forward's rounding residual of QG, ``chunk_fwd_pipeline``'s
     ``qg_split``) makes QG^T dO two products, so that dS and dh0 carry no rounding of QG, the largest rounding
     point of this pass (``docs/performance-notes.md``, session 16); ``tf32_dr``: dR is stored rounded to nearest
-    TF32 (the WY launch's ``tf32_round="dy"`` reads it as a TF32 operand; the pass itself uses the fp32 value). ``dv_name`` names the dR output (``chunk_bwd_pipeline`` calls it ``dv_new``, as
-    FLA's gradient of ``v_new``).
+    TF32 (the WY launch's ``tf32_round="dy"`` reads it as a TF32 operand; the pass itself uses the fp32 value).
+    ``dv_name`` names the dR output (``chunk_bwd_pipeline`` calls it ``dv_new``, as FLA's gradient of ``v_new``).
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_dstate_pipeline"

@@ -712,12 +712,10 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: qg_split must be a bool, got {qg_split!r}{qg_origin}")
     if qg_split and not save_states:
         raise ValueError(f"{fn}: qg_split=True needs save_states=True (QGL is read by the backward only)")
-    ts_origin = ""
-    if tf32_states is None:
+    if tf32_states is None:  # (a bool by construction)
         tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] == "dy"
-        ts_origin = " (from kernels.defaults.BACKWARD)"
     if not isinstance(tf32_states, bool):
-        raise ValueError(f"{fn}: tf32_states must be a bool, got {tf32_states!r}{ts_origin}")
+        raise ValueError(f"{fn}: tf32_states must be a bool, got {tf32_states!r}")
     if tf32_states and not save_states:
         raise ValueError(f"{fn}: tf32_states=True needs save_states=True (h is stored for the backward only)")
     registry.get("chunk_gdn2").support.check(fn, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, scale=scale)
