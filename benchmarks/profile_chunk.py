@@ -108,6 +108,9 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
     "wy_round": dict(kernel_backward=True, options={"wy_load": "sync", "wy_tf32_round": True}),
     # (session 18) the operands behind db rounded to nearest (the WY launch, the training forward's h, dR)
     "wy_dy": dict(kernel_backward=True, options={"wy_tf32_round": "dy"}),
+    # (session 19) only db's own chain rounded: S0, dR, A (by their producers) and dY
+    "wy_dymin": dict(kernel_backward=True, options={"wy_tf32_round": "dy_min"}),
+    "wy_trunc": dict(kernel_backward=True, options={"wy_tf32_round": False}),  # (sessions 10-18: truncation)
     "no_cast": dict(kernel_backward=True, options={"cast_grads": False}),
     "no_split_dr": dict(kernel_backward=True, options={"split_dr": False}),
     "qg_split": dict(kernel_backward=True, options={"qg_split": True, "split_dr": False}),
@@ -122,7 +125,8 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
 
 # training-forward variants timed by --train-launches beside the default (kernels.defaults.FORWARD: prefetch on)
 FWD_LAUNCH_VARIANTS = {"nopre:": dict(intra_prefetch=False), "z:": dict(z_split=True), "qg:": dict(qg_split=True),
-                       "zqg:": dict(z_split=True, qg_split=True), "s15:": dict(z_split=False, qg_split=False)}
+                       "zqg:": dict(z_split=True, qg_split=True), "s15:": dict(z_split=False, qg_split=False),
+                       "tf32:": dict(tf32_states=True)}  # (h and Akk stored rounded: wy_tf32_round "dy" / "dy_min")
 # the backward variants that ``--train-launches`` times beside the default (tag -> chunk_bwd_pipeline options)
 BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "fd": dict(intra_fast_diag=True),
                        "tcfd": dict(intra_tc=True, intra_fast_diag=True),
@@ -133,7 +137,8 @@ BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "f
                        "nosplit": dict(split_ds=False, split_dr=False),
                        "nocast": dict(cast_grads=False), "nosplitdr": dict(split_dr=False),
                        "qg": dict(qg_split=True, split_dr=False), "s15": dict(qg_split=False, split_dr=True),
-                       "wydy": dict(wy_tf32_round="dy")}
+                       "wydy": dict(wy_tf32_round="dy"), "wydymin": dict(wy_tf32_round="dy_min"),
+                       "wytrunc": dict(wy_tf32_round=False)}
 
 
 def grad_accuracy(variants, seeds=(77, 1, 2), shape=(1, 256, 2)):
@@ -212,7 +217,9 @@ TRAIN_VARIANTS = {  # name -> _switches of the training step
                forward={"z_split": False}),
     "candidate": dict(kernel_backward=True, factored=True, levels=1, options={"qg_split": True, "split_dr": False},
                       forward={"z_split": True}),
-    "wy_dy": dict(kernel_backward=True, factored=True, levels=1, options={"wy_tf32_round": "dy"})}
+    "wy_dy": dict(kernel_backward=True, factored=True, levels=1, options={"wy_tf32_round": "dy"}),
+    "wy_dymin": dict(kernel_backward=True, factored=True, levels=1, options={"wy_tf32_round": "dy_min"}),
+    "wy_trunc": dict(kernel_backward=True, factored=True, levels=1, options={"wy_tf32_round": False})}
 
 
 def _kernel_totals(fn, top=16):

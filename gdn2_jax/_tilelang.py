@@ -311,8 +311,8 @@ def _kernel_vjp(p: Problem, op, names: tuple, cfg: dict, out_names: tuple):
     from .xla.common import l2norm
 
     bwd = op.backward_pipeline(**cfg, **KERNEL_BACKWARD_OPTIONS)
-    # (the forward stores QG's rounding residual exactly when the backward's state pass reads it, and h rounded to
-    # TF32 when its WY launch expects that)
+    # (the forward stores QG's rounding residual exactly when the backward's state pass reads it, and h and Akk
+    # rounded to TF32 when its WY launch expects that)
     train = op.pipeline(**dict(cfg, save_states=True, **training_forward_options(bwd)))
     local = "dq" in {b.name for b in bwd.outputs}  # False: the state pass only, the rest in jnp
     made = {b.name for b in tuple(train.scratch) + tuple(train.outputs)}

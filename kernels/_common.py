@@ -5,7 +5,7 @@ Part of every kernel's cache key (``kernels/_compile.py`` hashes the ``_common*.
 
 from __future__ import annotations
 
-__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "drop_params", "tf32_operand"]
+__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "TF32_DY", "drop_params", "tf32_nearest", "tf32_operand"]
 
 #: Chunk length of the chunked (WY) form. FLA fixes 64 for GDN-2 (4 sub-chunks of 16).
 CHUNK = 64
@@ -13,6 +13,9 @@ CHUNK = 64
 LOG2E = 1.4426950408889634
 #: epsilon of the in-kernel q/k L2 norm ``x * rsqrt(sum x^2 + eps)`` (FLA ``l2norm_fwd``; the jnp path uses it too).
 L2NORM_EPS = 1e-6
+#: the WY launch's ``tf32_round`` values that read S0 (``h``), dR and A (``Akk``) as their producers store them,
+#: rounded to nearest TF32 (``kernels.chunk_bwd.chunk_bwd_pipeline``'s ``wy_tf32_round``)
+TF32_DY = ("dy", "dy_min")
 
 
 def drop_params(func, keep, order=()):
@@ -50,3 +53,25 @@ def tf32_operand(x, rounded: bool):
 
     return T.reinterpret(T.bitwise_and(T.reinterpret(x, "uint32") + T.uint32(0x1000), T.uint32(0xFFFFE000)),
                          "float32")
+
+
+def tf32_nearest(x):
+    """The fp32 value ``x`` rounded to nearest TF32 by arithmetic (TileLang expression, inside a kernel).
+
+    Veltkamp's split: ``t = fma(x, 2^13, x)`` is ``8193 x`` rounded once (``x 2^13`` is exact), and
+    ``t - (t - x)`` keeps ``x``'s leading 11 significant bits rounded to nearest (ties to even; ``tf32_operand``'s
+    integer form rounds ties away), for normal |x| < 2^114 (subnormals keep some low bits: harmless for an
+    operand). Plain float arithmetic, so TileLang keeps a loop's vector loads and stores (the integer form makes
+    them scalar). Both ways of writing it without ``T.fma`` compile to ``x``: ``t = x * 8193`` lets ``ptxas`` fuse
+    the multiply into both subtractions (session 18), and TVM's simplifier folds ``t = x * 8192 + x`` on the CPU
+    already. With the explicit fma the SASS is ``FFMA`` + 2 ``FADD`` per value (``nvdisasm``, session 19);
+    ``tests/test_stages.py``'s GPU test checks the stored bits.
+    """
+    import tilelang.language as T
+
+    from tvm import tirx
+
+    # (x and t bound once: as plain expressions the generated CUDA repeated x's computation, loads included, for
+    # every use)
+    xv, tv = tirx.Var("tf32_x", "float32"), tirx.Var("tf32_t", "float32")
+    return T.Let(T.Let(tv - (tv - xv), {tv: T.fma(xv, T.float32(8192.0), xv)}), {xv: x})

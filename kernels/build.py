@@ -86,6 +86,7 @@ def preset(name: str) -> list[dict]:
                     dict(wy_load="async", wy_threads=512), dict(wy_load="tma", wy_threads=256),
                     dict(wy_load="sync", wy_threads=256), dict(wy_load="sync", wy_threads=512),
                     dict(wy_load="sync", wy_threads=256, wy_tf32_round=True), dict(wy_tf32_round="dy"),
+                    dict(wy_tf32_round="dy_min"), dict(wy_tf32_round=False),
                     dict(split_ds=False, split_dr=False), dict(cast_grads=False), dict(split_dr=False),
                     dict(qg_split=True),
                     dict(qg_split=True, split_dr=False), dict(z_split=True),
@@ -96,7 +97,10 @@ def preset(name: str) -> list[dict]:
     bench += [dict(cfg(h, h, 128, h0=False, ht=False), **o) for h in (16, 32)
               for o in (dict(z_split=False, qg_split=False, split_dr=True),
                         dict(z_split=False, qg_split=True, split_dr=False),
-                        dict(z_split=True, qg_split=True, split_dr=False), dict(wy_tf32_round="dy"))]
+                        dict(z_split=True, qg_split=True, split_dr=False), dict(wy_tf32_round="dy"),
+                        dict(wy_tf32_round="dy_min"), dict(wy_tf32_round=False))]
+    # profile_chunk --grad-accuracy's case (B1 T256 H2) with the TF32-rounding variants of the WY launch
+    bench += [dict(cfg(2, 2, 128), wy_tf32_round=r) for r in ("dy", "dy_min", False)]
     tests += [dict(cfg(2, 4, 128, varlen=v), **o) for v in (False, True) for o in bwd_variants]
     # the backward variants (with the training kernels of their configurations): stage tests, launch times at the
     # bench's largest head count, gradient accuracy (profile_chunk --grad-accuracy: B1 T256 H2)

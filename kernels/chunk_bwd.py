@@ -24,7 +24,7 @@ still jnp (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
 
 from . import registry
-from ._common import CHUNK, LOG2E, drop_params, rounding_residual, tf32_operand
+from ._common import CHUNK, LOG2E, TF32_DY, drop_params, rounding_residual, tf32_nearest, tf32_operand
 from ._pipeline import Buf, Launch, Pipeline
 from .chunk_fwd import locate_chunk, seq_span, sizes_fn
 
@@ -124,7 +124,8 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                     T.gemm(AsL, dOs, dRf, transpose_A=True)
                 for r, e in T.Parallel(C, BV):
                     if j * C + r < ln:
-                        dv[bb, t0 + r, hv, v0 + e] = tf32_operand(dRf[r, e], tf32_dr)  # (as the WY launch reads it)
+                        # (rounded as the WY launch reads it with tf32_dr; this pass uses the fp32 value)
+                        dv[bb, t0 + r, hv, v0 + e] = tf32_nearest(dRf[r, e]) if tf32_dr else dRf[r, e]
                 for r, e in T.Parallel(C, BV):  # -dR (masked) as the operand of the Y^T product
                     dRb[r, e] = T.if_then_else(j * C + r < ln, T.cast(-dRf[r, e], dtype), T.cast(0, dtype))
                 if split_dr:
@@ -201,12 +202,13 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
     reach rows and columns of dY, dKG, dAq and dA that are masked or multiplied by zero rows of A^T (A is
     lower-triangular within the chunk's valid rows).
     ``tf32_round``: TF32 operands rounded to nearest in shared memory instead of truncated by the tensor core.
-    True (``stages = 1`` only): every operand (``_common.tf32_operand``). ``"dy"``: the operands the launch forms
-    itself (A^T, dO, Z, Ebar, dY, dA, A^T dA) and S0 and dR (dY = -dR S0^T, behind dEbar and db), R and dS (dKG,
-    dAqk) left truncated. With ``stages = 2`` S0 and dR are used as copied: their producers store them rounded
-    (the training forward's ``h`` with ``tf32_states``, the state pass's dR with ``tf32_dr``; session 18: rounding
-    them here, into tiles of their own, cost ~4% of a training step); with ``stages = 1`` they are rounded as
-    loaded (the same values: rounding is idempotent). The fp32 rowsum dG_C reads the rounded S0.
+    True (``stages = 1`` only): every operand (``_common.tf32_operand``). ``"dy_min"``: the operands of db's own
+    chain, dY = -dR S0^T and dEbar = A^T dY: S0, dR and A as their producers store them (the training forward's
+    ``h`` and ``Akk`` with ``tf32_states``, the state pass's dR with ``tf32_dr``), and dY rounded here.
+    ``"dy"``: also those behind dT (Z, Ebar, dA, A^T dA), rounded here. R and dS (dKG, dAqk) stay truncated; dO
+    in a 16-bit dtype is a TF32 value already. The launch's own rounding is ``_common.tf32_nearest`` (plain
+    arithmetic: the loops keep their vector shared-memory stores; session 18's integer form in these loops cost
+    ~4% of a training step). The fp32 rowsum dG_C reads the rounded S0.
     ``cast_dvw`` (option ``cast_grads``): dv and dw are stored in the input dtype, rounded to nearest from the same
     fp32 values (bit-identical to casting the fp32 outputs afterwards).
     """
@@ -217,13 +219,20 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
     acc = "float32"
     grp = HV // H
     scale = float(scale)
-    if not (isinstance(tf32_round, bool) or tf32_round == "dy"):
-        raise ValueError(f"_wy_bwd_prim: tf32_round={tf32_round!r} must be False, True or 'dy'")
+    if not (isinstance(tf32_round, bool) or tf32_round in TF32_DY):
+        raise ValueError(f"_wy_bwd_prim: tf32_round={tf32_round!r} must be False, True, 'dy' or 'dy_min'")
     if tf32_round is True and stages > 1:
         raise ValueError("_wy_bwd_prim: tf32_round=True needs stages=1 (the rounded copies of all four tiles "
                          "would not fit in shared memory)")
-    rn = lambda x: tf32_operand(x, bool(tf32_round))  # noqa: E731  (formed operands, S0, dR)
-    rn_all = lambda x: tf32_operand(x, tf32_round is True)  # noqa: E731  (R, dS)
+    dy = tf32_round in TF32_DY
+    ident = lambda x: x  # noqa: E731
+    # True rounds every operand as loaded or formed (integer form); "dy" / "dy_min" read S0, dR and A as their
+    # producers store them (rounded), and leave dO alone (a 16-bit value is a TF32 value: bf16 8, fp16 11
+    # significant bits)
+    rn_all = (lambda x: tf32_operand(x, True)) if tf32_round is True else ident
+    # the operands the launch forms: dY for both "dy" forms; Z, Ebar, dA, A^T dA (behind dT) for "dy" only
+    rn_dy = tf32_nearest if dy else rn_all
+    rn_dt = tf32_nearest if tf32_round == "dy" else rn_all
     sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype, cast_dvw=cast_dvw)
     out = (lambda x: T.cast(x, dtype)) if cast_dvw else (lambda x: x)  # noqa: E731
 
@@ -263,7 +272,7 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
                 for r, d in T.Parallel(C, K):
                     Gs[r, d] = T.if_then_else(r < valid, T.cast(g[bb, t0 + r, hv, d], acc), 0.0) * LOG2E
                 for r, c in T.Parallel(C, C):
-                    AT[c, r] = rn(T.if_then_else(r < valid, Akk[bb, t0 + r, hv, c], 0.0))
+                    AT[c, r] = rn_all(T.if_then_else(r < valid, Akk[bb, t0 + r, hv, c], 0.0))
                 if tx < K:
                     csum = 0.0
                     for r in T.serial(C):
@@ -285,19 +294,19 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
                         T.copy(w[bb, t0:t0 + C, hv, vb * BV:(vb + 1) * BV], wb)
                         T.copy(v[bb, t0:t0 + C, hv, vb * BV:(vb + 1) * BV], vb_)
                         for r, e in T.Parallel(C, BV):
-                            dOs[r, e] = rn(T.if_then_else(r < valid, T.cast(dOb[r, e], acc), 0.0))
-                            Zs[r, e] = rn(T.if_then_else(r < valid, T.cast(wb[r, e], acc) * T.cast(vb_[r, e], acc),
+                            dOs[r, e] = rn_all(T.if_then_else(r < valid, T.cast(dOb[r, e], acc), 0.0))
+                            Zs[r, e] = rn_dt(T.if_then_else(r < valid, T.cast(wb[r, e], acc) * T.cast(vb_[r, e], acc),
                                                          0.0))
                     else:
                         for i, e in T.Parallel(K, BV):
-                            S0s[i, e] = rn(h[bb, slot, hv, i, vb * BV + e])
+                            S0s[i, e] = rn_all(h[bb, slot, hv, i, vb * BV + e])
                             dSs[i, e] = rn_all(dh[bb, slot, hv, i, vb * BV + e])
                         for r, e in T.Parallel(C, BV):
                             Rs[r, e] = rn_all(T.if_then_else(r < valid, v_new[bb, t0 + r, hv, vb * BV + e], 0.0))
-                            dRs[r, e] = rn(T.if_then_else(r < valid, dv_new[bb, t0 + r, hv, vb * BV + e], 0.0))
-                            dOs[r, e] = rn(T.if_then_else(r < valid, T.cast(do[bb, t0 + r, hv, vb * BV + e], acc),
+                            dRs[r, e] = rn_all(T.if_then_else(r < valid, dv_new[bb, t0 + r, hv, vb * BV + e], 0.0))
+                            dOs[r, e] = rn_all(T.if_then_else(r < valid, T.cast(do[bb, t0 + r, hv, vb * BV + e], acc),
                                                           0.0))
-                            Zs[r, e] = rn(T.if_then_else(r < valid, T.cast(w[bb, t0 + r, hv, vb * BV + e], acc)
+                            Zs[r, e] = rn_dt(T.if_then_else(r < valid, T.cast(w[bb, t0 + r, hv, vb * BV + e], acc)
                                                          * T.cast(v[bb, t0 + r, hv, vb * BV + e], acc), 0.0))
                     T.gemm(dOs, S0s, dQG, transpose_B=True)      # dO S0^T
                     T.gemm(dRs, S0s, dY, transpose_B=True)       # dR S0^T (= -dY)
@@ -317,9 +326,9 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
                             csum = csum + dSs[tx, (e + tx) % BV] * S0s[tx, (e + tx) % BV]
                         gC[tx] = gC[tx] + csum
                 for r, d in T.Parallel(C, K):
-                    Ebs[r, d] = rn(T.if_then_else(r < valid, T.exp2(Gs[r, d]) * T.cast(b[bb, t0 + r, hv, d], acc)
+                    Ebs[r, d] = rn_dt(T.if_then_else(r < valid, T.exp2(Gs[r, d]) * T.cast(b[bb, t0 + r, hv, d], acc)
                                                   * T.cast(k[bb, t0 + r, hq, d], acc), 0.0))
-                    dYs[r, d] = rn(-dY[r, d])
+                    dYs[r, d] = rn_dy(-dY[r, d])
                 T.gemm(AT, dYs, dEb, clear_accum=True)          # dEbar = A^T dY
                 T.gemm(dYs, Ebs, dA, transpose_B=True)          # dA += dY Ebar^T
                 for r, d in T.Parallel(C, K):
@@ -343,10 +352,10 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
                     dgc[bb, slot, hv, tx] = T.exp2(Gs[C - 1, tx]) * gC[tx] + csum
                 # dT = -tril(A^T dA A^T, -1);  dAqk = tril(dO R^T)
                 for r, c in T.Parallel(C, C):
-                    dAs[r, c] = rn(dA[r, c])
+                    dAs[r, c] = rn_dt(dA[r, c])
                 T.gemm(AT, dAs, F, clear_accum=True)            # A^T dA
                 for r, c in T.Parallel(C, C):
-                    F1s[r, c] = rn(F[r, c])
+                    F1s[r, c] = rn_dt(F[r, c])
                 T.gemm(F1s, AT, F, clear_accum=True)            # (A^T dA) A^T
                 for r, c in T.Parallel(C, C):
                     if r < valid:
@@ -897,7 +906,8 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
     input ``QGL`` (after ``GAM``; the training forward's rounding residual of QG, ``chunk_fwd_pipeline``'s
     ``qg_split``) makes QG^T dO two products, so that dS and dh0 carry no rounding of QG, the largest rounding
     point of this pass (``docs/performance-notes.md``, session 16); ``tf32_dr``: dR is stored rounded to nearest
-    TF32 (the WY launch's ``tf32_round="dy"`` reads it as a TF32 operand; the pass itself uses the fp32 value).
+    TF32 (``_common.tf32_nearest``; the WY launch's ``tf32_round="dy"`` / ``"dy_min"`` reads it as a TF32 operand;
+    the pass itself uses the fp32 value).
     ``dv_name`` names the dR output (``chunk_bwd_pipeline`` calls it ``dv_new``, as FLA's gradient of ``v_new``).
     Raises ``ValueError`` for unsupported configurations.
     """
@@ -924,11 +934,12 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
 def training_forward_options(bwd: Pipeline) -> dict:
     """The options of ``chunk_fwd_pipeline(save_states=True)`` that the backward pipeline ``bwd`` (of
     :func:`chunk_bwd_pipeline`) expects from the training forward: ``qg_split`` (QG's residual ``QGL`` is among
-    its inputs) and ``tf32_states`` (its WY launch's ``wy_tf32_round="dy"`` reads S0 as stored: ``h`` stored
-    rounded). Without them the backward still runs (``KeyError`` for a missing QGL; truncated S0 otherwise)."""
+    its inputs) and ``tf32_states`` (its WY launch's ``wy_tf32_round="dy"`` / ``"dy_min"`` reads S0 and A as
+    stored: ``h`` and ``Akk`` stored rounded). Without them the backward still runs (``KeyError`` for a missing
+    QGL; truncated S0 and A otherwise)."""
     wy = [la for la in bwd.launches if la.name == "gdn2_chunk_bwd_wy"]
     return dict(qg_split="QGL" in bwd.inputs,
-                tf32_states=bool(wy) and dict(wy[0].key[3:]).get("tf32_round", False) == "dy")
+                tf32_states=bool(wy) and dict(wy[0].key[3:]).get("tf32_round", False) in TF32_DY)
 
 
 def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
@@ -967,9 +978,10 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``wy_threads`` (256 or 512): the WY launch's block size (512: the same tiles over 16 warps, half the
     accumulator registers per thread; not with ``"tma"``). ``wy_tf32_round``: the WY launch rounds TF32
     operands to nearest instead of letting the tensor core truncate them: True, all of them (``"sync"`` only: the
-    pipelines' rounded copies would not fit in shared memory); ``"dy"`` (``"sync"`` or ``"async"``), those of
-    the products behind db (dY = -dR S0^T, dEbar = A^T dY, dA += dY Ebar^T, dT) and the others the launch forms
-    itself (dO, Z), leaving the copied R and dS truncated (:func:`_wy_bwd_prim`).
+    pipelines' rounded copies would not fit in shared memory); ``"dy_min"`` (``"sync"`` or ``"async"``), those
+    of db's chain (dY = -dR S0^T, dEbar = A^T dY; S0, dR and A stored rounded by the state pass and the
+    training forward, which :func:`training_forward_options` asks for); ``"dy"``, also those behind dT (dA +=
+    dY Ebar^T, dT = -tril(A^T dA A^T)); R and dS stay truncated (:func:`_wy_bwd_prim`).
     ``cast_grads``: the launches store the gradients they finish in their inputs' dtypes instead of fp32, rounded
     to nearest from the same fp32 values (bit-identical to ``astype`` on the fp32 outputs, minus that pass over
     memory): dv, dw and db in ``dtype`` always; dg in ``g_dtype`` and dq, dk in ``dtype`` from version 2 of the
@@ -1012,14 +1024,15 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: wy_load={wy_load!r}{src['wy_load']} must be 'sync', 'async' or 'tma'")
     if wy_threads not in (256, 512):
         raise ValueError(f"{fn}: wy_threads={wy_threads!r}{src['wy_threads']} must be 256 or 512")
-    if not (isinstance(wy_tf32_round, bool) or wy_tf32_round == "dy"):
-        raise ValueError(f"{fn}: wy_tf32_round={wy_tf32_round!r}{src['wy_tf32_round']} must be False, True or 'dy'")
+    if not (isinstance(wy_tf32_round, bool) or wy_tf32_round in TF32_DY):
+        raise ValueError(f"{fn}: wy_tf32_round={wy_tf32_round!r}{src['wy_tf32_round']} must be False, True, 'dy' "
+                         "or 'dy_min'")
     if wy_tf32_round is True and wy_load != "sync":
         raise ValueError(f"{fn}: wy_tf32_round=True needs wy_load='sync', got {wy_load!r}{src['wy_load']} (the "
                          "pipelines' rounded copies of all four tiles would not fit in shared memory; 'dy' does)")
-    if wy_tf32_round == "dy" and wy_load == "tma":
-        raise ValueError(f"{fn}: wy_tf32_round='dy'{src['wy_tf32_round']} needs wy_load='sync' or 'async', got "
-                         f"'tma'{src['wy_load']}")
+    if wy_tf32_round in TF32_DY and wy_load == "tma":
+        raise ValueError(f"{fn}: wy_tf32_round={wy_tf32_round!r}{src['wy_tf32_round']} needs wy_load='sync' or "
+                         f"'async', got 'tma'{src['wy_load']}")
     if wy_threads == 512 and wy_load == "tma":
         raise ValueError(f"{fn}: wy_threads=512{src['wy_threads']} needs wy_load='sync' or 'async' (with 'tma' "
                          "the kernel would not fit in shared memory and registers)")
@@ -1027,7 +1040,7 @@ def chunk_bwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
               split_ds=split_ds, split_dr=split_dr, qg_split=qg_split, block_v=block_v, stages=stages)
     if not local_bwd:
         return chunk_dstate_pipeline(**kw)
-    state = chunk_dstate_pipeline(**kw, dv_name="dv_new", tf32_dr=wy_tf32_round == "dy")
+    state = chunk_dstate_pipeline(**kw, dv_name="dv_new", tf32_dr=wy_tf32_round in TF32_DY)
     cu = ("cu_seqlens",) if varlen else ()
     kl = dict(H=H, HV=HV, K=K, dtype=dtype, g_dtype=g_dtype, scale=float(scale), varlen=bool(varlen))
     # V-block: 32, or 16 for the 256-thread pipelines (TMA: two stages of 32 would not fit in shared memory;

@@ -38,7 +38,7 @@ docs/performance-notes.md, session 4.
 """
 
 from . import defaults, registry
-from ._common import CHUNK, L2NORM_EPS, LOG2E, drop_params, rounding_residual, tf32_operand
+from ._common import CHUNK, L2NORM_EPS, LOG2E, TF32_DY, drop_params, rounding_residual, tf32_nearest, tf32_operand
 from ._pipeline import Buf, Launch, Pipeline
 
 __all__ = ["chunk_fwd_pipeline", "num_chunk_slots"]
@@ -140,7 +140,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # ----------------------------------------------------------------------------------------------------------------
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
                 exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False, z_split=False,
-                qg_split=False):
+                qg_split=False, tf32_a=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (87 KB for K = V = 128, 110 KB with
@@ -493,10 +493,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     N2s[r, c] = tfr(T.if_then_else(r == c, 1.0, 0.0) - Ns[r, c] + N2s[r, c] - Nf[r, c])
                 T.gemm(N2s, Ds, Nf, clear_accum=True)
                 T.copy(Nf, As)
-                if save_a:  # A = (I + T)^-1 in fp32 for the backward (training forward)
+                if save_a:  # A = (I + T)^-1 in fp32 for the backward (training forward; TF32 with tf32_a)
                     for r, c in T.Parallel(C, C):
                         if r < valid:
-                            Akk[bb, t0 + r, hv, c] = Nf[r, c]
+                            Akk[bb, t0 + r, hv, c] = tf32_nearest(Nf[r, c]) if tf32_a else Nf[r, c]
 
                 # ---- WY auxiliaries ----
                 if prefetch:
@@ -601,7 +601,7 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
                 T.copy(GAM[bb, sbase + j, hv, :], gs)
                 if save_states:  # the chunk's start state (FLA ``h``), fp32 (rounded to TF32 with tf32_h)
                     for i, e in T.Parallel(K, BV):
-                        h[bb, sbase + j, hv, i, v0 + e] = tf32_operand(S[i, e], tf32_h)
+                        h[bb, sbase + j, hv, i, v0 + e] = tf32_nearest(S[i, e]) if tf32_h else S[i, e]
                 T.copy(S, Sb)
                 T.gemm(Ys, Sb, Rf, clear_accum=True)
                 T.gemm(Qs, Sb, Of, clear_accum=True)
@@ -685,9 +685,9 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     input dtype, for the reverse state pass (``kernels.chunk_bwd.chunk_dstate_pipeline``); the forward's results
     are unchanged.
     ``tf32_states`` (training forward only; default: on when ``save_states`` and
-    ``kernels.defaults.BACKWARD["wy_tf32_round"]`` is ``"dy"``): ``h`` is stored rounded to nearest TF32
-    (``_common.tf32_operand``), the precision at which the backward's WY launch reads it (its
-    ``tf32_round="dy"``); the forward's results are unchanged.
+    ``kernels.defaults.BACKWARD["wy_tf32_round"]`` is ``"dy"`` or ``"dy_min"``): ``h`` and ``Akk`` are stored
+    rounded to nearest TF32 (``_common.tf32_nearest``), the precision at which the backward's WY launch reads
+    them (its ``tf32_round="dy"`` / ``"dy_min"``); the forward's results are unchanged.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -713,7 +713,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     if qg_split and not save_states:
         raise ValueError(f"{fn}: qg_split=True needs save_states=True (QGL is read by the backward only)")
     if tf32_states is None:  # (a bool by construction)
-        tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] == "dy"
+        tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] in TF32_DY
     if not isinstance(tf32_states, bool):
         raise ValueError(f"{fn}: tf32_states must be a bool, got {tf32_states!r}")
     if tf32_states and not save_states:
@@ -752,7 +752,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     kw1.update({n: True for n, on in (("exact_self", exact_self), ("tf32_round", tf32_round),
                                       ("aqk_split", aqk_split), ("save_a", save_states),
                                       ("prefetch", intra_prefetch), ("z_split", z_split),
-                                      ("qg_split", qg_split)) if on})
+                                      ("qg_split", qg_split), ("tf32_a", tf32_states)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),

@@ -34,14 +34,16 @@ FORWARD = dict(intra_prefetch=True, z_split=True)
 #: ``wy_load`` / ``wy_threads`` / ``wy_tf32_round``: how the WY launch loads its V-block tiles, its block size
 #: and TF32 operand rounding (see ``chunk_bwd_pipeline``). The two-stage cp.async pipeline over 512 threads:
 #: 2.72 ms at B4 T4096 H32 (synchronous loads, 256 threads: 4.02; cp.async, 256: 2.96; TMA, warp-specialised, 256:
-#: 3.71; synchronous, 512: 3.56; session 10). ``wy_tf32_round="dy"`` (session 18, off): the operands of the
-#: products behind db rounded to nearest instead of truncated by the tensor core, S0 and dR by their producers:
-#: db on the audit's seed 4 2.38e-3 instead of 3.16e-3 (FLA 2.52e-3), every gradient below FLA's on six seeds, but
-#: +4.9-6.6% per training step on the H100 (the WY launch's own rounding sites; session 18's notes).
+#: 3.71; synchronous, 512: 3.56; session 10). ``wy_tf32_round="dy_min"`` (the default since session 19): the
+#: operands of db's chain (dY = -dR S0^T, dEbar = A^T dY) rounded to nearest TF32 instead of truncated by the
+#: tensor core, S0, dR and A stored rounded by their producers (``_common.tf32_nearest``), dY by the WY launch:
+#: H200, audit seeds 77 / 1-5: db on seed 4 2.33e-3 instead of 3.16e-3 (FLA 2.52e-3), every gradient below FLA's
+#: on all six, for +0.01-0.02 ms per training step (0.2-0.6%). ``"dy"`` also rounds the operands behind dT: no
+#: better (db on seed 4 2.38e-3). False: truncation (sessions 10-18, profile_chunk's ``wy_trunc``).
 #: ``intra_tc``: version 2's off-diagonal blocks as TF32 tensor-core products (4.29 ms instead of 2.99 at B4 T4096
 #: H32, session 11: two blocks of 4 warps per SM). ``intra_fast_diag``: its diagonal blocks anchored at their
 #: middle rows where the decay allows (3.07 ms instead of 2.99, session 11). Both stay off.
 #: ``cast_grads``: the WY and intra launches store the gradients they finish in their inputs' dtypes (bit-identical
 #: to casting the fp32 outputs in jnp, without that pass over memory; sessions 14-15).
 BACKWARD = dict(split_ds=True, split_dr=False, qg_split=True, intra_v2=True, intra_tc=False, intra_fast_diag=False,
-                wy_load="async", wy_threads=512, wy_tf32_round=False, cast_grads=True)
+                wy_load="async", wy_threads=512, wy_tf32_round="dy_min", cast_grads=True)

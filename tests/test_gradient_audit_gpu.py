@@ -35,9 +35,9 @@ LIMIT = 3.5e-3  # issue 7: each of the seven gradients on the spec distribution
 #: the gaps to FLA measured on the GPU and still open: (gradient, seed) -> (ceiling, why). A case whose only failures
 #: are these FLA comparisons, each at most its ceiling (the measured ratio plus a little), is an expected failure
 #: (``pytest.xfail``, after every other check); a gap elsewhere, or one that grew, fails.
-KNOWN_GAPS = {("db", 4): (3.2e-3, "session 17 (H200 and H100, bit-identical): db 3.157e-3 vs FLA's 2.524e-3, the WY "
-                                  "launch's TF32 truncation (issue 7, open; session 18: wy_tf32_round='dy' closed it, "
-                                  "2.38e-3 on the H100, but is not the default: it cost 4.9-6.6% per step)")}
+#: Empty since session 19: the last one, db on seed 4 (3.157e-3 vs FLA's 2.524e-3, the WY launch's TF32
+#: truncation), closed by ``wy_tf32_round="dy_min"`` (2.329e-3 on the H200).
+KNOWN_GAPS: dict = {}
 
 
 @functools.lru_cache(maxsize=None)

@@ -711,11 +711,13 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, opts):
 @pytest.mark.cuda
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gpu_tf32_rounded_states_and_dr(varlen):
-    """``wy_tf32_round="dy"``'s producers (session 18): the training forward with ``tf32_states`` stores every
-    chunk start state ``h`` as a TF32 value (the low 13 mantissa bits zero) and the reverse state pass with
-    ``tf32_dr`` stores dR (``dv_new``) so; without the options some of those bits are set (the stores are not
-    rounded). The rounded values are each within half a TF32 ulp of the unrounded run's (same inputs, same
-    arithmetic before the store). Dense T = 200 and packed 0 / 70 / 130 tokens."""
+    """``wy_tf32_round="dy"`` / ``"dy_min"``'s producers (sessions 18-19): the training forward with
+    ``tf32_states`` stores every chunk start state ``h`` and the solve ``Akk`` as TF32 values (the low 13 mantissa
+    bits zero) and the reverse state pass with ``tf32_dr`` stores dR (``dv_new``) so; without the options some of
+    those bits are set (the stores are not rounded). The rounded values are each within half a TF32 ulp of the
+    unrounded run's (same inputs, same arithmetic before the store): ``_common.tf32_nearest``'s arithmetic
+    rounding survives ``ptxas`` (session 18's first form compiled to the identity). Dense T = 200 and packed 0 /
+    70 / 130 tokens."""
     import torch
 
     from kernels import registry, torch_api
@@ -726,8 +728,9 @@ def test_gpu_tf32_rounded_states_and_dr(varlen):
     op = registry.get("chunk_gdn2")
     do = _torch(_bf16(np.random.default_rng(43).standard_normal((B, T, HV, V_))))
     got = {}
-    for mode in (False, "dy"):
-        bwd = op.backward_pipeline(**cfg, wy_tf32_round=mode)
+    mode = "dy_min"  # (the producers are the same for "dy")
+    for m in (False, mode):
+        bwd = op.backward_pipeline(**cfg, wy_tf32_round=m)
         t, fwd = _training_forward(op, dict(cfg, **training_forward_options(bwd)), x, cu)
         ins = {n: (fwd[n] if n in fwd else t[n]) for n in bwd.inputs if n not in ("do", "dht")}
         ins.update(do=do, dht=torch.zeros_like(fwd["ht"]))
@@ -736,9 +739,9 @@ def test_gpu_tf32_rounded_states_and_dr(varlen):
         # (the chunk slots a sequence uses: sequence n's chunks from slot n + start // 64, as the forward lays them)
         used = ([n + s // 64 + c for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])) for c in range(-(-(e - s) // 64))]
                 if varlen else slice(None))
-        got[mode] = dict(h=fwd["h"][:, used], dR=r["dv_new"])
-    for n in ("h", "dR"):
-        on, off = got["dy"][n], got[False][n]
+        got[m] = dict(h=fwd["h"][:, used], Akk=fwd["Akk"], dR=r["dv_new"])
+    for n in ("h", "Akk", "dR"):
+        on, off = got[mode][n], got[False][n]
         assert torch.isfinite(on).all() and on.numel() > 0, n
         assert ((on.view(torch.int32) & 0x1FFF) == 0).all(), n
         assert ((off.view(torch.int32) & 0x1FFF) != 0).any(), n
@@ -827,7 +830,7 @@ _BWD_VARIANTS = ({}, {"cast_grads": False}, {"intra_v2": False}, {"intra_v2": Fa
                  {"wy_load": "async", "wy_threads": 256},
                  {"wy_load": "tma", "wy_threads": 256}, {"wy_load": "sync", "wy_threads": 256},
                  {"wy_load": "sync", "wy_threads": 512},
-                 {"wy_load": "sync", "wy_tf32_round": True}, {"wy_tf32_round": "dy"},
+                 {"wy_load": "sync", "wy_tf32_round": True}, {"wy_tf32_round": "dy"}, {"wy_tf32_round": "dy_min"},
                  {"split_ds": False, "split_dr": False},
                  {"split_dr": False},
                  {"qg_split": True, "split_dr": False}, {"z_split": True, "qg_split": True, "split_dr": False})
@@ -845,7 +848,7 @@ def test_gpu_local_bwd_launches_vs_xla_twin(varlen, gdist, opts):
     sequences of 0, 70, 130 tokens (gates swept down to -60, mixed within a chunk); the default launches and the
     options of ``chunk_bwd_pipeline`` (intra version 1 with and without ``reg_diag``, version 2 with
     ``intra_tc`` and / or ``intra_fast_diag``; the WY launch's ``wy_load`` pipelines and ``wy_tf32_round`` (True,
-    ``"dy"``); ``split_ds``, ``split_dr``, ``qg_split`` and the training forward's ``z_split``)."""
+    ``"dy"``, ``"dy_min"``); ``split_ds``, ``split_dr``, ``qg_split`` and the training forward's ``z_split``)."""
     import torch
 
     from gdn2_jax.xla import chunk as xc

@@ -398,13 +398,13 @@ def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
     default = keys()
     assert default == keys(**{n: v for n, v in defaults.BACKWARD.items() if n != "split_ds"})
     wys = {keys(wy_load=m, wy_threads=t, wy_tf32_round=r)[0] for m in ("sync", "async", "tma") for t in (256, 512)
-           for r in (False, True, "dy") if (m != "tma" or t == 256) and (m == "sync" or r is not True)
+           for r in (False, True, "dy", "dy_min") if (m != "tma" or t == 256) and (m == "sync" or r is not True)
            and (m != "tma" or r is False)}
-    assert len(wys) == 11
+    assert len(wys) == 15
     with pytest.raises(ValueError, match="wy_tf32_round='dy' needs wy_load='sync' or 'async'"):
         op.backward_pipeline(**kw, wy_load="tma", wy_tf32_round="dy")
     for bad in (2, "yes", "all"):  # (not 0 or 1: the memoised pipelines of False and True would answer)
-        with pytest.raises(ValueError, match="must be False, True or 'dy'"):
+        with pytest.raises(ValueError, match="must be False, True, 'dy' or 'dy_min'"):
             op.backward_pipeline(**kw, wy_tf32_round=bad)
     assert keys(intra_v2=False)[1] != default[1] and keys(intra_v2=False)[0] == default[0]
     intras = {keys(intra_v2=True, intra_tc=t, intra_fast_diag=f)[1] for t in (False, True) for f in (False, True)}
@@ -474,58 +474,79 @@ def test_precision_options_of_session_16_are_checked_keyed_and_wired(monkeypatch
     monkeypatch.undo()
 
 
-def test_tf32_rounded_operands_of_session_18_are_keyed_wired_and_emitted(monkeypatch):
-    """``wy_tf32_round="dy"`` (session 18, an option): the WY launch rounds the operands behind db, and
-    their producers store them rounded: the training forward's ``h`` (``tf32_states``, its state launch keyed
-    ``tf32_h``) and the state pass's dR (``tf32_dr``). With ``wy_tf32_round=False`` none of the three is rounded
-    and the launches keep session 17's keys; ``training_forward_options`` gives the training forward each backward
-    expects (JAX, torch and ``kernels.build`` use it); the rounding (``_common.tf32_operand``: add 0x1000, clear the
-    low 13 bits) is in the stores' TIR exactly when on; bad values raise naming the option. (On the GPU:
+def test_tf32_rounded_operands_are_keyed_wired_and_emitted(monkeypatch):
+    """``wy_tf32_round="dy"`` / ``"dy_min"`` (sessions 18-19, options): the WY launch reads S0, dR and A as
+    TF32 values that their producers store rounded to nearest: the training forward's ``h`` and ``Akk``
+    (``tf32_states``: its state launch keyed ``tf32_h``, its intra launch ``tf32_a``) and the state pass's dR
+    (``tf32_dr``); the WY launch rounds dY (both) and the operands behind dT (Z, Ebar, dA, A^T dA: ``"dy"`` only)
+    itself. With ``wy_tf32_round=False`` nothing is rounded and the launches keep their keys;
+    ``training_forward_options`` gives the training forward each backward expects (JAX, torch and
+    ``kernels.build`` use it); the rounding (``_common.tf32_nearest``: ``t = fma(x, 2^13, x)``, ``t - (t - x)``)
+    is in the TIR exactly where on; bad values raise naming the option. (On the GPU:
     ``tests/test_stages.py::test_gpu_tf32_rounded_states_and_dr``.)"""
     from kernels import build, defaults
-    from kernels.chunk_bwd import _dstate_prim, training_forward_options
-    from kernels.chunk_fwd import _state_prim, chunk_fwd_pipeline
+    from kernels.chunk_bwd import _dstate_prim, _wy_bwd_prim, training_forward_options
+    from kernels.chunk_fwd import _intra_prim, _state_prim, chunk_fwd_pipeline
 
     op = registry.get("chunk_gdn2")
     kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
               use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
-    on, off = op.backward_pipeline(**kw, wy_tf32_round="dy"), op.backward_pipeline(**kw, wy_tf32_round=False)
-    default = on if defaults.BACKWARD["wy_tf32_round"] == "dy" else off
-    assert op.backward_pipeline(**kw).launches[0].key == default.launches[0].key
-    assert dict(on.launches[0].key[2:])["tf32_dr"] is True and "tf32_dr" not in dict(off.launches[0].key[2:])
-    assert dict(on.launches[1].key[3:])["tf32_round"] == "dy" and dict(off.launches[1].key[3:])["tf32_round"] is False
-    assert training_forward_options(on) == dict(qg_split=True, tf32_states=True)
+    off = op.backward_pipeline(**kw, wy_tf32_round=False)
+    default = op.backward_pipeline(**kw, wy_tf32_round=defaults.BACKWARD["wy_tf32_round"])
+    assert [la.key for la in op.backward_pipeline(**kw).launches] == [la.key for la in default.launches]
+    for mode in ("dy", "dy_min"):
+        on = op.backward_pipeline(**kw, wy_tf32_round=mode)
+        assert dict(on.launches[0].key[2:])["tf32_dr"] is True and "tf32_dr" not in dict(off.launches[0].key[2:])
+        assert dict(on.launches[1].key[3:])["tf32_round"] == mode
+        assert training_forward_options(on) == dict(qg_split=True, tf32_states=True)
+    assert dict(off.launches[1].key[3:])["tf32_round"] is False
     assert training_forward_options(off) == dict(qg_split=True, tf32_states=False)
-    sync_all = op.backward_pipeline(**kw, wy_load="sync", wy_tf32_round=True)  # (rounds S0 and dR itself)
+    sync_all = op.backward_pipeline(**kw, wy_load="sync", wy_tf32_round=True)  # (rounds S0, dR and A itself)
     assert training_forward_options(sync_all)["tf32_states"] is False and "tf32_dr" not in dict(
         sync_all.launches[0].key[2:])
     assert training_forward_options(op.backward_pipeline(**kw, local_bwd=False))["tf32_states"] is False
     assert "tf32_dr" not in dict(op.backward_pipeline(**kw, local_bwd=False).launches[0].key[2:])
-    state = {v: chunk_fwd_pipeline(**kw, save_states=True, tf32_states=v).launches[1] for v in (False, True)}
-    assert dict(state[True].key[2:])["tf32_h"] is True and "tf32_h" not in dict(state[False].key[2:])
-    monkeypatch.setitem(defaults.BACKWARD, "wy_tf32_round", "dy")
-    assert chunk_fwd_pipeline(**kw, save_states=True).launches[1].key == state[True].key  # (follows the backward's)
-    monkeypatch.undo()
-    assert "tf32_h" not in dict(chunk_fwd_pipeline(**kw).launches[1].key[2:])  # (inference: no h stored)
+    fwd = {v: chunk_fwd_pipeline(**kw, save_states=True, tf32_states=v).launches for v in (False, True)}
+    assert dict(fwd[True][1].key[2:])["tf32_h"] is True and "tf32_h" not in dict(fwd[False][1].key[2:])
+    assert dict(fwd[True][0].key[2:])["tf32_a"] is True and "tf32_a" not in dict(fwd[False][0].key[2:])
+    for mode in ("dy", "dy_min"):
+        monkeypatch.setitem(defaults.BACKWARD, "wy_tf32_round", mode)
+        assert [la.key for la in chunk_fwd_pipeline(**kw, save_states=True).launches] == [
+            la.key for la in fwd[True]]  # (follows the backward's)
+        monkeypatch.undo()
+    inference = chunk_fwd_pipeline(**kw).launches  # (no h or Akk stored)
+    assert "tf32_h" not in dict(inference[1].key[2:]) and "tf32_a" not in dict(inference[0].key[2:])
     with pytest.raises(ValueError, match="tf32_states=True needs save_states=True"):
         chunk_fwd_pipeline(**kw, tf32_states=True)
     with pytest.raises(ValueError, match="tf32_states must be a bool, got 'yes'"):
         chunk_fwd_pipeline(**kw, save_states=True, tf32_states="yes")
     monkeypatch.setitem(defaults.BACKWARD, "wy_tf32_round", False)
-    assert chunk_fwd_pipeline(**kw, save_states=True).launches[1].key == state[False].key
+    assert [la.key for la in chunk_fwd_pipeline(**kw, save_states=True).launches] == [la.key for la in fwd[False]]
     monkeypatch.undo()
     # kernels.build: a backward variant builds the training forward it expects
-    for v in (False, "dy"):
+    for v in (False, "dy", "dy_min"):
         train = [build._pipe("chunk_gdn2", c, p).launches[i].key for n, c, p, i, _ in
                  build.plan([dict(build.cfg(2, 4, 128), wy_tf32_round=v)], ("chunk_gdn2",), "sm_90a") if p == "train"]
-        assert [dict(k[2:]).get("tf32_h", False) for k in train if k[0] == "gdn2_chunk_state_o"] == [v == "dy"]
-    # the rounding in the TIR of the stores
+        assert [dict(k[2:]).get("tf32_h", False) for k in train if k[0] == "gdn2_chunk_state_o"] == [bool(v)]
+        assert [dict(k[2:]).get("tf32_a", False) for k in train if k[0] == "gdn2_chunk_intra"] == [bool(v)]
+    # the rounding in the TIR: the producers' stores, and the WY launch's own sites (one fma each)
     ds = dict(HV=4, K=128, V=128, BV=32, dtype="bfloat16", use_dht=True, varlen=False, stages=2, aqk_split=True)
     st = dict(HV=4, K=128, V=128, BV=32, dtype="bfloat16", use_h0=True, store_ht=True, varlen=False, stages=2,
               save_states=True)
-    for make, name, args in ((_dstate_prim, "tf32_dr", ds), (_state_prim, "tf32_h", st)):
-        assert "4294959104" in str(make(**args, **{name: True})), name  # (0xFFFFE000: the TF32 mantissa mask)
-        assert "4294959104" not in str(make(**args)), name
+    it = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=0.1, varlen=False, l2norm=False,
+              threads=256, min_blocks=2, exact_diag=False, aqk_split=True, save_a=True, prefetch=True)
+    fma = "T.fma("
+    for make, name, args in ((_dstate_prim, "tf32_dr", ds), (_state_prim, "tf32_h", st), (_intra_prim, "tf32_a", it)):
+        assert str(make(**args, **{name: True})).count(fma) == 1, name
+        assert fma not in str(make(**args)), name
+    wy = dict(H=2, HV=4, K=128, V=128, BV=32, dtype="bfloat16", g_dtype="float32", scale=0.1, varlen=False,
+              stages=2, threads=512)
+    assert [str(_wy_bwd_prim(**wy, tf32_round=r)).count(fma) for r in (False, "dy_min", "dy")] == [0, 1, 5]
+    # (with the stages = 1 loads too: S0, dR and A read as stored, no integer rounding)
+    mask = "4294959104"  # (0xFFFFE000: tf32_operand's mantissa mask, True's rounding)
+    assert [mask in str(_wy_bwd_prim(**dict(wy, stages=1), tf32_round=r)) for r in (False, "dy_min", "dy", True)] == [
+        False, False, False, True]
+
 
 
 def _written_params(func) -> set:
