@@ -38,8 +38,8 @@ FORWARD = dict(intra_prefetch=True, z_split=True)
 #: operands of db's chain (dY = -dR S0^T, dEbar = A^T dY) rounded to nearest TF32 instead of truncated by the
 #: tensor core, S0, dR and A stored rounded by their producers (``_common.tf32_nearest``), dY by the WY launch:
 #: H200, audit seeds 77 / 1-5: db on seed 4 2.33e-3 instead of 3.16e-3 (FLA 2.52e-3), every gradient below FLA's
-#: on all six, for +0.01-0.02 ms per training step (0.2-0.6%). ``"dy"`` also rounds the operands behind dT: no
-#: better (db on seed 4 2.38e-3). False: truncation (sessions 10-18, profile_chunk's ``wy_trunc``).
+#: on all six, for +0.006-0.025 ms per training step (0.1-0.6%). ``"dy"`` also rounds the operands behind dT: no
+#: better overall (db on seed 4 2.37e-3). False: truncation (sessions 10-18, profile_chunk's ``wy_trunc``).
 #: ``intra_tc``: version 2's off-diagonal blocks as TF32 tensor-core products (4.29 ms instead of 2.99 at B4 T4096
 #: H32, session 11: two blocks of 4 warps per SM). ``intra_fast_diag``: its diagonal blocks anchored at their
 #: middle rows where the decay allows (3.07 ms instead of 2.99, session 11). Both stay off.

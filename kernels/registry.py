@@ -87,18 +87,25 @@ class KernelOp:
 
     def pipeline(self, **cfg) -> Pipeline:
         """The pipeline for one static configuration (:func:`config` plus factory options); memoised."""
-        return _pipeline(self.factory, tuple(sorted(cfg.items())))
+        return _pipeline(self.factory, _typed_items(cfg))
 
     def backward_pipeline(self, **cfg) -> Pipeline:
         """The backward kernels' pipeline for the forward configuration ``cfg``; ``KeyError`` if the op has none."""
         if self.backward is None:
             raise KeyError(f"op {self.name!r} has no backward kernels")
-        return _pipeline(self.backward, tuple(sorted(cfg.items())))
+        return _pipeline(self.backward, _typed_items(cfg))
+
+
+def _typed_items(cfg: dict) -> tuple:
+    """``cfg`` as the memo key of :func:`_pipeline`: (name, type, value) sorted by name. The value's type is part
+    of the key because equal values of other types hash alike (``1 == True``): without it a bad option value
+    ``1`` would be answered with the memoised pipeline of ``True`` instead of the factory's ``ValueError``."""
+    return tuple(sorted((n, type(v), v) for n, v in cfg.items()))
 
 
 @functools.lru_cache(maxsize=512)
 def _pipeline(factory: str, items: tuple) -> Pipeline:
-    return resolve(factory)(**dict(items))
+    return resolve(factory)(**{n: v for n, _, v in items})
 
 
 OPS: dict[str, KernelOp] = {op.name: op for op in (

@@ -403,9 +403,12 @@ def test_backward_pipeline_options_are_checked_and_keyed(monkeypatch):
     assert len(wys) == 15
     with pytest.raises(ValueError, match="wy_tf32_round='dy' needs wy_load='sync' or 'async'"):
         op.backward_pipeline(**kw, wy_load="tma", wy_tf32_round="dy")
-    for bad in (2, "yes", "all"):  # (not 0 or 1: the memoised pipelines of False and True would answer)
+    op.backward_pipeline(**kw, wy_load="sync", wy_tf32_round=True)  # (memoised: 1 == True must not answer for it)
+    for bad in (0, 1, 2, "yes", "all"):
         with pytest.raises(ValueError, match="must be False, True, 'dy' or 'dy_min'"):
             op.backward_pipeline(**kw, wy_tf32_round=bad)
+    with pytest.raises(ValueError, match="intra_tc=1 must be True or False"):
+        op.backward_pipeline(**kw, intra_tc=1)
     assert keys(intra_v2=False)[1] != default[1] and keys(intra_v2=False)[0] == default[0]
     intras = {keys(intra_v2=True, intra_tc=t, intra_fast_diag=f)[1] for t in (False, True) for f in (False, True)}
     assert len(intras | {keys(intra_v2=False)[1]}) == 5 and keys(intra_tc=True)[0] == default[0]
