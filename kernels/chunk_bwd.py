@@ -225,11 +225,10 @@ def _wy_bwd_prim(*, H, HV, K, V, BV, dtype, g_dtype, scale, varlen, stages=1, th
         raise ValueError("_wy_bwd_prim: tf32_round=True needs stages=1 (the rounded copies of all four tiles "
                          "would not fit in shared memory)")
     dy = tf32_round in TF32_DY
-    ident = lambda x: x  # noqa: E731
     # True rounds every operand as loaded or formed (integer form); "dy" / "dy_min" read S0, dR and A as their
     # producers store them (rounded), and leave dO alone (a 16-bit value is a TF32 value: bf16 8, fp16 11
     # significant bits)
-    rn_all = (lambda x: tf32_operand(x, True)) if tf32_round is True else ident
+    rn_all = lambda x: tf32_operand(x, tf32_round is True)  # noqa: E731
     # the operands the launch forms: dY for both "dy" forms; Z, Ebar, dA, A^T dA (behind dT) for "dy" only
     rn_dy = tf32_nearest if dy else rn_all
     rn_dt = tf32_nearest if tf32_round == "dy" else rn_all
