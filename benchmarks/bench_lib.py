@@ -437,6 +437,8 @@ def jax_decode_fns(backend="tilelang") -> dict:
     * ``scan(h, q,k,v,g,b,w) -> (o [S,B,1,HV,V], h)``: ``lax.scan`` over the leading token axis (inputs
       ``[S,B,1,...]``), ``inplace_final_state=True``, state donated;
     * ``donated(h, q..w) -> (o, h)``: one token, ``inplace_final_state=True``, state donated;
+    * ``floor(h, q..w) -> (o, h)``: the same arguments and donation as ``donated`` with a trivial body (``o = v * 1``,
+      one element of ``h`` updated in place): JAX's per-call dispatch floor of a donated step on this host;
     * ``call(h, q..w) -> (o, h)``: the functional op (``output_final_state=True``), nothing donated;
     * ``pool(pool, q..w, idx[B]) -> (o, pool)``: continuous batching, pool donated;
     * ``spec(pool, q..w, idx[B,L], nacc[B]) -> (o, pool)``: speculative decoding (L draft tokens), pool donated.
@@ -459,6 +461,9 @@ def jax_decode_fns(backend="tilelang") -> dict:
     def donated(h, q, k, v, g, b, w):
         return op(q, k, v, g, b, w, initial_state=h, inplace_final_state=True, **bk)
 
+    def floor(h, q, k, v, g, b, w):  # no kernel: o [B, 1, HV, V] in v's dtype, h updated in its donated buffer
+        return v * 1, h.at[0, 0, 0, 0].add(1.0)
+
     def call(h, q, k, v, g, b, w):
         return op(q, k, v, g, b, w, initial_state=h, output_final_state=True, **bk)
 
@@ -469,7 +474,8 @@ def jax_decode_fns(backend="tilelang") -> dict:
         return op(q, k, v, g, b, w, initial_state=p, ssm_state_indices=idx, num_accepted_tokens=nacc, **bk)
 
     return {"scan": jax.jit(scan, donate_argnums=0), "donated": jax.jit(donated, donate_argnums=0),
-            "call": jax.jit(call), "pool": jax.jit(pool, donate_argnums=0), "spec": jax.jit(spec, donate_argnums=0)}
+            "floor": jax.jit(floor, donate_argnums=0), "call": jax.jit(call), "pool": jax.jit(pool, donate_argnums=0),
+            "spec": jax.jit(spec, donate_argnums=0)}
 
 
 class Carry:

@@ -14,13 +14,16 @@ TIMING = {
               "`backward()` with `do_bench` (`grad_to_none` = the six inputs); `fla_host_ms`: the host-clock loop. "
               "Peak: torch `max_memory_allocated` − allocated before one step; JAX: XLA memory analysis "
               "(temporaries + outputs)."),
-    "decode": ("`scan`, `donated`, `call`, `pool`, `spec4`, `scan_graph`: host-clock loops of n steps (each feeding the "
-               "returned state into the next call), one final sync, median of 5 repeats; `scan` is per token (16 "
-               "tokens per call). `torch` (our kernel through `kernels.torch_api`, in place) and every "
+    "decode": ("`scan`, `donated`, `jit_floor`, `call`, `pool`, `spec4`, `scan_graph`: host-clock loops of n steps "
+               "(each feeding the returned state into the next call), one final sync, median of 5 repeats; `scan` is "
+               "per token (16 tokens per call). `torch` (our kernel through `kernels.torch_api`, in place) and every "
                "`fla_inplace_us`: `do_bench` (CUDA events, L2 flushed before each call, so a small state is read from "
                "HBM); `fla_inplace_host_us` / `ours_host_us`: the same host-clock loop as the JAX paths. The host "
                "loops do not flush L2: at B <= 4 the state (<= 8 MiB) stays in L2 and `state_TBps` may exceed the "
-               "copy bandwidth."),
+               "copy bandwidth. `jit_floor`: the same arguments and donation as `donated` with a trivial body "
+               "(`o = v * 1`, one element of the state updated in place), i.e. JAX's per-call dispatch floor of a "
+               "donated step on this host, timed by the same loop; it moves no state (no `state_TBps`) and its "
+               "speedup is the ceiling any jitted donated step can reach against FLA."),
 }
 
 
@@ -126,13 +129,14 @@ def markdown(res: dict) -> str:
         L += ["## Decode, H = HV = 32, K = V = 128, fp32 state [B, 32, 128, 128], bf16 inputs", "",
               "Timing: " + TIMING["decode"] + " Paths: `scan` jitted `lax.scan` over 16 tokens, "
               "`inplace_final_state=True`, state donated; `donated` one-token jitted step, `inplace_final_state=True`, "
-              "state donated; `call` the functional op (new state each step, nothing donated); `pool` state pool "
-              "[2B, ...] updated at `ssm_state_indices` [B] (random slots), pool donated; `spec4` 4 draft tokens per "
-              "sequence, `ssm_state_indices` [B, 4] + `num_accepted_tokens`, pool [8B, ...] donated (time per step "
-              "of 4 tokens; FLA: the same call of `fused_recurrent_gdn2_fwd`); `torch` our kernel through "
-              "`kernels.torch_api` in place; `scan_graph` = `scan` with `GDN2_JAX_CUDA_GRAPH=1` and XLA command "
-              "buffers (child process). `state_TBps` counts the state read + write (spec4: 1 read + 4 writes per "
-              "sequence); `% copy` = state_TBps / copy bandwidth.", "",
+              "state donated; `jit_floor` the same jitted step with a trivial body (no kernel: the per-call "
+              "dispatch floor, see above); `call` the functional op (new state each step, nothing donated); `pool` "
+              "state pool [2B, ...] updated at `ssm_state_indices` [B] (random slots), pool donated; `spec4` 4 draft "
+              "tokens per sequence, `ssm_state_indices` [B, 4] + `num_accepted_tokens`, pool [8B, ...] donated "
+              "(time per step of 4 tokens; FLA: the same call of `fused_recurrent_gdn2_fwd`); `torch` our kernel "
+              "through `kernels.torch_api` in place; `scan_graph` = `scan` with `GDN2_JAX_CUDA_GRAPH=1` and XLA "
+              "command buffers (child process). `state_TBps` counts the state read + write (spec4: 1 read + 4 writes "
+              "per sequence; none for `jit_floor`); `% copy` = state_TBps / copy bandwidth.", "",
               "| B | path | tokens / step | ours µs / step | timing | FLA in-place µs | speedup | FLA host µs | "
               "speedup (host) | ours host µs | state TB/s | % copy |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -178,7 +182,7 @@ def markdown(res: dict) -> str:
     return "\n".join(L) + "\n"
 
 
-_PATHS = {p: i for i, p in enumerate(("torch", "scan", "scan_graph", "donated", "call", "pool", "spec4"))}
+_PATHS = {p: i for i, p in enumerate(("torch", "scan", "scan_graph", "donated", "jit_floor", "call", "pool", "spec4"))}
 
 
 def _rows(res, key):
@@ -230,7 +234,9 @@ def plot(res: dict, path) -> bool:
         for name in sorted({r.get("path") for r in rows if r.get("path")}, key=lambda p: _PATHS.get(p, 99)):
             pts = sorted((r["B"], r.get("ours_us_per_token")) for r in rows
                          if r.get("path") == name and r.get("ours_us_per_token"))
-            if pts:
+            if pts and name == "jit_floor":  # no kernel: the dispatch floor the one-token host loops sit on
+                ax.plot(*zip(*pts), marker=".", ls=":", color="0.5", label="JAX dispatch floor (jit_floor)")
+            elif pts:
                 ax.plot(*zip(*pts), marker="o", label=f"ours {name}")
         pts = sorted({(r["B"], r.get("fla_inplace_us")) for r in rows
                       if r.get("path") == "donated" and r.get("fla_inplace_us")})

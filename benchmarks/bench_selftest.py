@@ -89,14 +89,16 @@ def _fake_result():
               "ours_peak_MiB": 900.0, "fla_peak_MiB": 546.0, "fla_host_ms": 3.1, "speedup_host": 0.62}]
     dec = []
     for B in (1, 128):
-        for path, tok in (("torch", 1), ("scan", 1), ("donated", 1), ("call", 1), ("pool", 1), ("spec4", 4),
-                          ("scan_graph", 1)):
-            us = 10.0 * B ** 0.5 * tok
+        for path, tok in (("torch", 1), ("scan", 1), ("donated", 1), ("jit_floor", 1), ("call", 1), ("pool", 1),
+                          ("spec4", 4), ("scan_graph", 1)):
+            us = (4.0 if path == "jit_floor" else 10.0 * B ** 0.5) * tok
             sb = L.decode_state_bytes(B, 32, reads=1, writes=tok)
+            moves = path != "jit_floor"  # the dispatch floor moves no state
             dec.append({"B": B, "H": 32, "HV": 32, "K": 128, "V": 128, "path": path, "tokens_per_step": tok,
                         "ours_us": us, "ours_us_per_token": us / tok, "timing": "do_bench" if path == "torch" else
-                        "host loop", "fla_inplace_us": 20.0 * B ** 0.5, "speedup": 2.0 / tok,
-                        "state_TBps": sb / (us * 1e-6) / 1e12, "copy_frac": 0.5, "graph_equal": True})
+                        "host loop", "fla_inplace_us": 20.0 * B ** 0.5, "speedup": 20.0 * B ** 0.5 / us,
+                        "state_TBps": sb / (us * 1e-6) / 1e12 if moves else None,
+                        "copy_frac": 0.5 if moves else None, "graph_equal": True})
     acc = [{"case": "prefill B1 T512 H4 D128", "quantity": "o", "ours": 3.1e-3, "fla": 3.2e-3, "oracle": "fp64",
             "bf16_floor": 1.66e-3},
            {"case": "train grads B1 T256 H2 D128", "quantity": "dq", "ours": None, "fla": 1e-2, "oracle": "fp64",
@@ -114,9 +116,14 @@ def test_report():
     md = markdown(json.loads(json.dumps(res)))  # what --replot sees
     for s in ("## Prefill", "## Training step", "## Decode", "## Accuracy", "## Decode tile sweep",
               "copy bandwidth measured in this run: 4.29 TB/s", "abc123", "dirty", "floor ms", "host loop",
-              "do_bench", "spec4", "scan_graph", "RuntimeError: boom", "CUDA-graph child process failed",
-              "JAX path more than 5% over torch", "chunk_intra 0.600 (60%)"):
+              "do_bench", "spec4", "scan_graph", "jit_floor", "dispatch floor", "RuntimeError: boom",
+              "CUDA-graph child process failed", "JAX path more than 5% over torch", "chunk_intra 0.600 (60%)"):
         assert s in md, s
+    dsec = md.split("## Decode, ")[1].split("\n## ")[0]
+    drows = [ln for ln in dsec.splitlines() if ln.startswith("| 1 | ")]  # decode table rows at B = 1, in path order
+    order = [ln.split(" | ")[1] for ln in drows]
+    assert order == ["torch", "scan", "scan_graph", "donated", "jit_floor", "call", "pool", "spec4"], order
+    assert drows[4].endswith("| — | — |"), drows[4]  # jit_floor: no state TB/s, no % copy
     assert markdown({"env": {}, "prefill": [], "decode": []}).startswith("# GDN-2 benchmark")
     with tempfile.TemporaryDirectory() as d:
         ok = plot(res, Path(d) / "x.png")
@@ -198,6 +205,24 @@ def test_jax_paths():
     c = L.Carry(fns["donated"], jnp.array(j["h0"]), *tok(0))
     ms, n = L.host_ms(c, L.jax_sync, n=4, reps=2, warm=1)
     assert ms > 0 and n == 4
+    # floor: donated's signature and output structure (shapes, dtypes), trivial body; also with the benchmark's
+    # dtypes (bf16 q..w, fp32 state), by abstract evaluation
+    import jax
+
+    od, hd = fns["donated"](jnp.array(j["h0"]), *tok(0))
+    of, hf = fns["floor"](jnp.array(j["h0"]), *tok(0))
+    assert (of.shape, of.dtype, hf.shape, hf.dtype) == (od.shape, od.dtype, hd.shape, hd.dtype), (of, hf)
+    assert of.shape == (B, 1, H, K) and np.array_equal(np.asarray(of), x["v"][:, :1])
+    want = x["h0"].copy()
+    want[0, 0, 0, 0] += 1.0
+    assert np.array_equal(np.asarray(hf), want)
+    bf = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in tok(0)]
+    h32 = jax.ShapeDtypeStruct(j["h0"].shape, jnp.float32)
+    assert jax.eval_shape(fns["floor"], h32, *bf) == jax.eval_shape(fns["donated"], h32, *bf)
+    c = L.Carry(fns["floor"], jnp.array(j["h0"]), *tok(0))
+    ms, n = L.host_ms(c, L.jax_sync, n=4, reps=2, warm=1)
+    assert ms > 0 and n == 4
+    _close(float(c.state[0, 0, 0, 0]), float(x["h0"][0, 0, 0, 0]) + 1 + 2 * 4, 1e-6)  # the state carried: 9 calls
 
     # pool: B sequences at random slots of a pool of 2B
     P = 2 * B
@@ -359,11 +384,16 @@ def test_sections_cpu():
     assert len(tr) == 2 and all(r["ours_ms"] and r["fla_ms"] and r["speedup"] and r["ours_peak_MiB"] for r in tr), tr
     dec = saved_res["decode"]
     paths = {(r["B"], r["path"]) for r in dec}
-    assert paths == {(B, p) for B in (1, 3) for p in ("torch", "scan", "donated", "call", "pool", "spec4")}, paths
+    assert paths == {(B, p) for B in (1, 3) for p in ("torch", "scan", "donated", "jit_floor", "call", "pool",
+                                                       "spec4")}, paths
     for r in dec:
-        for key in ("B", "H", "HV", "K", "V", "path", "ours_us", "fla_inplace_us", "speedup", "state_TBps"):
+        for key in ("B", "H", "HV", "K", "V", "path", "ours_us", "fla_inplace_us", "speedup", "fla_inplace_host_us"):
             assert r.get(key) is not None, (key, r)
-        assert r["copy_frac"] is not None and r["fla_inplace_host_us"] is not None
+        if r["path"] == "jit_floor":  # moves no state: no bandwidth; speedup = FLA / floor
+            assert r["state_TBps"] is None and r["copy_frac"] is None, r
+            assert r["speedup"] == L.ratio(r["fla_inplace_us"], r["ours_us"]) and r["timing"] == "host loop", r
+        else:
+            assert r["state_TBps"] is not None and r["copy_frac"] is not None, r
         if r["path"] in ("pool", "spec4"):
             assert r["torch_us"], r
     acc = saved_res["accuracy"]
