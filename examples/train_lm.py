@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from flax_layers import GatedDeltaNet2  # noqa: E402
+from gdn2_jax import backends  # noqa: E402
 
 VOCAB = 256  # bytes
 DEFAULT_PROMPT = 'import os\nimport sys\n\n\ndef main(argv):\n    """Parse the command line."""\n    '
@@ -314,65 +315,132 @@ def generate(model: GDN2LM, prompt: bytes, n_new: int, *, temperature: float, se
 
 
 # ---------------------------------------------------------------------------------------------------------- main
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to every option's help, except where the default is None (the help says what
+    happens then) or the help describes the default itself (``default:`` in it)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _tilelang_unavailable_reason(ops) -> str | None:
+    """Why the TileLang kernels of ``ops`` (public op names) cannot run here, or None: the library's own check
+    (:func:`gdn2_jax.backends.tilelang_unavailable_reason`, which the layers call before they compute)."""
+    return next((why for why in map(backends.tilelang_unavailable_reason, ops) if why is not None), None)
+
+
+def _gen_batches(text: str) -> list[int]:
+    """``--gen-batch``: comma-separated batch sizes >= 1."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (e.g. 1,64), got {text!r}") from None
+    if not all(b >= 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return sizes
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     p.add_argument("--data-dir", default=None, help="folder of text (default: this Python's stdlib sources)")
     p.add_argument("--glob", default="*.py", help="file pattern under --data-dir")
     p.add_argument("--max-bytes", type=int, default=8_000_000, help="read at most this much text")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--num-heads", type=int, default=2)
-    p.add_argument("--num-v-heads", type=int, default=None, help="value heads (GVA when > num-heads)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--mlp-hidden", type=int, default=384)
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--num-layers", type=int, default=2, help="GDN-2 blocks")
+    p.add_argument("--num-heads", type=int, default=2, help="query/key heads per layer")
+    p.add_argument("--num-v-heads", type=int, default=None,
+                   help="value heads, a multiple of --num-heads (GVA when > --num-heads; default: --num-heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="key/value head dim")
+    p.add_argument("--mlp-hidden", type=int, default=384, help="hidden width of the SwiGLU MLP")
     p.add_argument("--untied", action="store_true", help="separate output head instead of tied embeddings")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="computation dtype (auto: float32 on CPU, bfloat16 on a GPU, where the TileLang kernels "
                         "take bfloat16)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per training step")
+    p.add_argument("--seq-len", type=int, default=128, help="bytes per training sequence")
+    p.add_argument("--steps", type=int, default=150, help="training steps")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay to 0.1x)")
+    p.add_argument("--warmup", type=int, default=20, help="linear learning-rate warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay (not on A_log, dt_bias, norm scales, biases)")
     p.add_argument("--max-train-seconds", type=float, default=420.0,
                    help="stop training early after this much wall time (compile included)")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the start/final loss")
     p.add_argument("--min-loss-drop", type=float, default=40.0,
-                   help="exit with status 1 unless the held-out loss fell by at least this many percent")
+                   help="exit with status 1 unless the held-out loss fell by at least this many percent (0-100)")
     p.add_argument("--backend", default="auto", choices=["auto", "xla", "tilelang"],
-                   help="op backend for generation (training uses --train-backend)")
+                   help="op backend for generation (training uses --train-backend; tilelang needs a Hopper GPU)")
     p.add_argument("--train-backend", default="xla", choices=["auto", "xla", "tilelang"],
                    help="op backend differentiated in training (tilelang: the forward and backward kernels on a "
                         "Hopper GPU; auto: those where they exist, else xla)")
     p.add_argument("--track-backend", default=None, choices=["xla", "tilelang", "auto"],
                    help="after training, train again from the same seed on the same batches with this train "
-                        "backend and compare the loss curves (TRACK line)")
+                        "backend and compare the loss curves (TRACK line); default: no second run")
     p.add_argument("--max-track-diff", type=float, default=None,
-                   help="with --track-backend: exit with status 1 when the EMA(0.9) training-loss curves differ by "
-                        "more than this (nats) at any step (default 0.05)")
+                   help="only with --track-backend: exit with status 1 when the EMA(0.9) training-loss curves "
+                        "differ by more than this (nats, >= 0) at any step (default with --track-backend: 0.05)")
     p.add_argument("--max-final-rel-diff", type=float, default=None,
-                   help="with --track-backend: exit with status 1 when the final held-out losses differ by more "
-                        "than this fraction (default 0.01)")
+                   help="only with --track-backend: exit with status 1 when the final held-out losses differ by "
+                        "more than this fraction (>= 0) (default with --track-backend: 0.01)")
     p.add_argument("--loss-log", default=None, help="write the per-step training losses and held-out losses "
                                                      "(of both runs with --track-backend) to this JSON file")
     p.add_argument("--train-mode", default="auto", choices=["auto", "chunk", "fused_recurrent"],
                    help="op differentiated in training (auto: fused_recurrent on CPU, where autodiff of the "
                         "token loop is faster than the chunked form at these sizes; chunk elsewhere)")
-    p.add_argument("--checkpoint", default="checkpoints/gdn2_lm.npz")
+    p.add_argument("--checkpoint", default="checkpoints/gdn2_lm.npz", help="where to save the trained model")
     p.add_argument("--prompt", default=DEFAULT_PROMPT,
-                   help="prompt (the default is longer than 64 bytes, so the prefill takes the chunk path)")
-    p.add_argument("--gen-tokens", type=int, default=200)
-    p.add_argument("--gen-batch", default="1", help="comma-separated batch sizes to generate with (e.g. 1,64)")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=0)
+                   help=f"prompt, not empty (default: the {len(DEFAULT_PROMPT.encode())}-byte start of a Python "
+                        "main() with a docstring; longer than 64 bytes, so the prefill takes the chunk path)")
+    p.add_argument("--gen-tokens", type=int, default=200, help="bytes to generate after the prompt")
+    p.add_argument("--gen-batch", type=_gen_batches, default="1",
+                   help="comma-separated batch sizes to generate with (e.g. 1,64)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (> 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, data order and sampling (>= 0)")
     p.add_argument("--show-hlo", action="store_true", help="print custom calls of the compiled prefill/decode")
     args = p.parse_args(argv)
+
+    def flag(name):
+        return "--" + name.replace("_", "-")
+
+    for name in ("max_bytes", "d_model", "num_layers", "num_heads", "head_dim", "mlp_hidden", "batch_size",
+                 "seq_len", "steps", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"{flag(name)} must be >= 1, got {getattr(args, name)}")
+    for name in ("warmup", "gen_tokens", "seed"):
+        if getattr(args, name) < 0:
+            p.error(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
+    if args.num_v_heads is not None and (args.num_v_heads < args.num_heads or args.num_v_heads % args.num_heads):
+        p.error(f"--num-v-heads must be a multiple of --num-heads {args.num_heads}, got {args.num_v_heads}")
+    if args.max_bytes <= 3 * (args.seq_len + 1):
+        p.error(f"--max-bytes must be > 3 * (--seq-len + 1) = {3 * (args.seq_len + 1)} (training and held-out "
+                f"windows of --seq-len + 1 bytes), got {args.max_bytes}")
+    for name, finite, ok, domain in (("lr", True, lambda x: x > 0, "> 0"),
+                                     ("weight_decay", True, lambda x: x >= 0, ">= 0"),
+                                     ("max_train_seconds", False, lambda x: x > 0, "> 0"),
+                                     ("min_loss_drop", True, lambda x: 0 <= x <= 100, "in [0, 100]"),
+                                     ("temperature", True, lambda x: x > 0, "> 0"),
+                                     ("max_track_diff", False, lambda x: x >= 0, ">= 0"),
+                                     ("max_final_rel_diff", False, lambda x: x >= 0, ">= 0")):
+        x = getattr(args, name)
+        if x is not None and not (ok(x) and (math.isfinite(x) or not finite)):  # (NaN fails ok)
+            p.error(f"{flag(name)} must be {'finite and ' if finite else ''}{domain}, got {x}")
+    if not args.prompt:
+        p.error("--prompt must not be empty")
     for name, default in (("max_track_diff", 0.05), ("max_final_rel_diff", 0.01)):  # limits of --track-backend only
         if getattr(args, name) is not None and args.track_backend is None:
-            p.error(f"--{name.replace('_', '-')} needs --track-backend")
+            p.error(f"{flag(name)} needs --track-backend")
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    # TileLang kernels: fail here, before the corpus is read, where they cannot run (the layers would raise
+    # NotImplementedError at their first call). Generation uses both ops; training the --train-mode op
+    # (auto resolves to chunk wherever the kernels can run, i.e. on a GPU).
+    train_ops = ("fused_recurrent_gdn2",) if args.train_mode == "fused_recurrent" else ("chunk_gdn2",)
+    for name, ops in (("backend", ("chunk_gdn2", "fused_recurrent_gdn2")), ("train_backend", train_ops),
+                      ("track_backend", train_ops)):
+        if getattr(args, name) == "tilelang" and (why := _tilelang_unavailable_reason(ops)) is not None:
+            p.error(f"{flag(name)} tilelang: the TileLang kernels need an NVIDIA Hopper GPU (sm_90) and the `cuda` "
+                    f"extra, and cannot run here ({why}); use {flag(name)} xla or auto")
     return args
 
 
@@ -381,6 +449,9 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     print(f"JAX {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} device(s))")
     data, n_files = load_corpus(args.data_dir, args.glob, args.max_bytes)
+    if len(data) <= 3 * (args.seq_len + 1):  # (--max-bytes is checked in parse_args; the files may hold less)
+        raise SystemExit(f"the corpus ({len(data)} bytes) is too small for --seq-len {args.seq_len}: it needs more "
+                         f"than 3 * (--seq-len + 1) = {3 * (args.seq_len + 1)} bytes")
     n_eval = max(len(data) // 20, (args.seq_len + 1) * 2)
     train, held_out = data[:-n_eval], data[-n_eval:]
     print(f"corpus: {n_files} files, {len(data) / 1e6:.2f} MB ({len(train) / 1e6:.2f} MB train, "
@@ -435,7 +506,7 @@ def main(argv=None) -> int:
     reloaded = GDN2LM(cfg, rngs=nnx.Rngs(args.seed + 1))
     load_checkpoint(ckpt, reloaded)
 
-    for gb in (int(x) for x in args.gen_batch.split(",")):
+    for gb in args.gen_batch:
         text, st = generate(reloaded, args.prompt.encode(), args.gen_tokens, temperature=args.temperature,
                             seed=args.seed, show_hlo=args.show_hlo, batch=gb)
         print(f"generation (backend={args.backend}, batch {gb}, from the reloaded checkpoint): compile "

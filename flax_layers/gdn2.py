@@ -259,9 +259,9 @@ class GatedDeltaNet2(nnx.Module):
         else ``"xla"``), ``"xla"`` or ``"tilelang"``.
       train_backend: backend of the op when training (``deterministic=False``). Default ``"xla"``: forward and
         backward in jnp. ``"auto"``/``"tilelang"`` run the TileLang kernels where they exist: for
-        ``train_mode="chunk"`` the forward saves its states and the whole backward runs as kernels (1.52-2.46x
-        FLA's forward + backward on the benchmark grid on an H200, session 17, with less extra memory than FLA;
-        ``benchmarks/results/``);
+        ``train_mode="chunk"`` the forward saves its states and the whole backward runs as kernels (faster than
+        FLA's forward + backward on every shape of the benchmark grid on an H200, with less extra memory than
+        FLA: the README's GPU table and ``benchmarks/results/latest.json``);
         ``"fused_recurrent"``'s backward is the xla VJP, recomputing the forward.
       deterministic: inference mode. Default False (training), as for ``nnx.Dropout``; ``model.eval()`` sets it
         to True and ``model.train()`` back to False; ``__call__`` may override it per call.
@@ -453,7 +453,7 @@ class GatedDeltaNet2(nnx.Module):
 
         Args:
           x: input, a floating jax or numpy array (a list raises TypeError: convert it yourself); T may be
-            anything >= 1 (also shorter than the conv window).
+            anything >= 0 (also shorter than the conv window; T = 0 gives an empty y and the cache unchanged).
           cache: state to continue from (:meth:`init_cache` or a previous call's ``new_cache``), batch N;
             None starts every sequence from zeros. A call with T > 1 on a filled cache continues it (chunked
             prefill); T == 1 is a decode step.

@@ -20,7 +20,7 @@ from . import backends
 from .validation import (Problem, _is_concrete, canonical_slots, check_bool, check_inputs, check_positive_int,
                          check_state_pool, run_poisoned, traced_cu_seqlens_valid, traced_state_pool_valid)
 
-__all__ = ["call", "ARGS_DOC", "RETURNS_DOC"]
+__all__ = ["call", "ARGS_DOC", "RETURNS_DOC", "OPS_RETURNS_DOC"]
 
 # Implementations of the references (ops without a backend argument).
 _REFERENCES = {
@@ -106,6 +106,9 @@ def call(op: str, args: dict):
 ARGS_DOC = """
     Args:
       q, k: ``[B, T, H, K]`` queries and keys; float16, bfloat16, float32 (float64 under x64, not on the kernels).
+        The erase step ``I - k (b*k)^T`` keeps the state bounded only while ``sum_i b_i k_i^2 <= 2``: pass unit-norm
+        keys, or ``use_qk_l2norm_in_kernel=True`` (which the Flax layer always sets), with b in [0, 2]. Larger
+        keys make the state grow exponentially in T, as in FLA (spec section 0).
       v: ``[B, T, HV, V]`` values. HV must be a positive multiple of H; value head j reads qk head j // (HV/H).
       g: ``[B, T, HV, K]`` per-key-channel decay in natural-log units (decay factor ``exp(g)``, so g <= 0 in
         practice; float32 recommended, bfloat16 accepted).
@@ -137,5 +140,9 @@ RETURNS_DOC = """
 
     Raises:
       TypeError / ValueError, naming the argument, for wrong shapes, dtypes or values (checked in Python
-      before anything runs); NotImplementedError for a backend that cannot serve the call.
+      before anything runs).
 """
+
+# the public ops' Raises section also names the backend error (the jnp references take no backend)
+OPS_RETURNS_DOC = RETURNS_DOC.replace(
+    "before anything runs).", "before anything runs); NotImplementedError for a backend that cannot serve the call.")

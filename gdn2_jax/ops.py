@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from ._entry import ARGS_DOC, BACKEND_DOC, RETURNS_DOC, call
+from ._entry import ARGS_DOC, BACKEND_DOC, OPS_RETURNS_DOC, call
 
 __all__ = ["chunk_gdn2", "fused_recurrent_gdn2"]
 
@@ -60,7 +60,7 @@ def fused_recurrent_gdn2(q: Array, k: Array, v: Array, g: Array, b: Array, w: Ar
     return call("fused_recurrent_gdn2", locals())
 
 
-chunk_gdn2.__doc__ += ARGS_DOC + BACKEND_DOC + RETURNS_DOC
+chunk_gdn2.__doc__ += ARGS_DOC + BACKEND_DOC + OPS_RETURNS_DOC
 fused_recurrent_gdn2.__doc__ += ARGS_DOC + """
       inplace_final_state: let the final state reuse ``initial_state``'s buffer (required then); see above.
       ssm_state_indices: ``[N]`` or ``[N, L]`` int32/int64 pool slots (see above); slots must be < P and the
@@ -68,4 +68,4 @@ fused_recurrent_gdn2.__doc__ += ARGS_DOC + """
         outputs and the written slots NaN).
       num_accepted_tokens: ``[N]`` int, in [1, L]: how many draft tokens of sequence n the last step accepted
         (needs ``ssm_state_indices [N, L]``).""" + \
-    BACKEND_DOC + RETURNS_DOC
+    BACKEND_DOC + OPS_RETURNS_DOC

@@ -28,7 +28,8 @@ Array = jax.Array
 def naive_recurrent_gdn2(q: Array, k: Array, v: Array, g: Array, b: Array, w: Array, *, scale: float | None = None,
                          initial_state: Array | None = None, output_final_state: bool = False,
                          use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Array | None = None):
-    """Token-by-token GDN-2 recurrence (the ground truth), differentiable by ``jax.grad``."""
+    """Token-by-token GDN-2 recurrence (the ground truth), differentiable by ``jax.grad``.
+    """
     return call("naive_recurrent_gdn2", locals())
 
 
