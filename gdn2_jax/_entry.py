@@ -131,7 +131,7 @@ BACKEND_DOC = """
         Hopper GPUs), or ``"auto"`` (default: tilelang where it is available and supports the inputs' dtypes and
         head dims, else xla)."""
 
-RETURNS_DOC = """
+_RETURNS_TEMPLATE = """
 
     Returns:
       ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state ``[N, HV, K, V]`` float32, or float64
@@ -140,9 +140,9 @@ RETURNS_DOC = """
 
     Raises:
       TypeError / ValueError, naming the argument, for wrong shapes, dtypes or values (checked in Python
-      before anything runs).
+      before anything runs){backend_error}.
 """
-
-# the public ops' Raises section also names the backend error (the jnp references take no backend)
-OPS_RETURNS_DOC = RETURNS_DOC.replace(
-    "before anything runs).", "before anything runs); NotImplementedError for a backend that cannot serve the call.")
+# the jnp references take no backend; the public ops' Raises section also names the backend error
+RETURNS_DOC = _RETURNS_TEMPLATE.format(backend_error="")
+OPS_RETURNS_DOC = _RETURNS_TEMPLATE.format(
+    backend_error="; NotImplementedError for a backend that cannot serve the call")

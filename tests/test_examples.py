@@ -70,6 +70,12 @@ def test_train_lm_train_backend_reaches_the_layers(tmp_path, monkeypatch):
         train_lm.main([*TINY, "--steps", "1", "--checkpoint", str(tmp_path / "ck.npz"), "--train-backend", "tilelang"])
 
 
+def test_train_lm_track_limits_need_track_backend(capsys):
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--max-track-diff", "0.1"])
+    assert "--max-track-diff needs --track-backend" in capsys.readouterr().err
+
+
 def _no_corpus(*_):
     raise AssertionError("the corpus was loaded before the arguments were checked")
 

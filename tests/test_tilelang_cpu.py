@@ -551,7 +551,6 @@ def test_tf32_rounded_operands_are_keyed_wired_and_emitted(monkeypatch):
         False, False, False, True]
 
 
-
 def _written_params(func) -> set:
     """Names of the parameters of the TileLang prim_func ``func`` that its body writes (element stores, and the
     destinations of ``T.copy`` / ``T.fill``), from the TIR before lowering."""
