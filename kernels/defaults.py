@@ -18,7 +18,9 @@ __all__ = ["BACKWARD", "FORWARD"]
 #: ``z_split``: launch 1 forms U = A (w v) from ``w v`` as its 16-bit rounding plus residual (exact), two products.
 #: CPU emulation (session 16, spec case B1 T512 H4, 4 seeds): o 2.90e-3 -> 2.55e-3, final state 2.23e-3 ->
 #: 1.68e-3 vs fp64 (FLA rounds ``w v``). On since session 17 (GPU tests and timing: ``docs/performance-notes.md``).
-FORWARD = dict(intra_prefetch=True, z_split=True)
+#: ``intra_ftz``: launch 1 compiled with ``nvcc -ftz=true`` (one ``MUFU.EX2`` per exp2 instead of four instructions;
+#: fp32 subnormals flushed; ``chunk_fwd_pipeline``). Session 21 (``docs/performance-notes.md``).
+FORWARD = dict(intra_prefetch=True, z_split=True, intra_ftz=True)
 
 #: ``split_ds``: the reverse state pass feeds dS to the KG dS product as a 16-bit value plus its rounding residual
 #: (db 3.29e-3 instead of 3.87e-3 vs fp64 on the benchmark's gradient case, seed 77; session 10, when the option

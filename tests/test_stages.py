@@ -500,6 +500,23 @@ _PREFETCH_CASES = [  # varlen cu_seqlens or None, B, T, H, HV, K, V, l2norm, dty
 ]
 
 
+def _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist):
+    """A :data:`_PREFETCH_CASES` case on the GPU: its ``registry.config`` and torch inputs q, k, v, g, b, w (and
+    ``cu_seqlens`` when packed) in the case's dtypes (no initial state: the intra launch does not read it)."""
+    import torch
+
+    from kernels import registry
+
+    x = _gpu_inputs(seed, B, T, H, HV, K_, V_, l2, gdist)
+    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype=dtype, g_dtype=g_dtype, scale=K_ ** -0.5,
+                          use_initial_state=True, output_final_state=True, varlen=cu is not None, use_qk_l2norm=l2)
+    t = {n: _torch(x[n]).to(getattr(torch, dtype)) for n in ("q", "k", "v", "b", "w")}
+    t["g"] = _torch(x["g"]).to(getattr(torch, g_dtype))
+    if cu is not None:
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    return cfg, t
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
 def test_gpu_intra_prefetch_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
@@ -513,14 +530,7 @@ def test_gpu_intra_prefetch_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2
 
     from kernels import _compile, registry
 
-    x = _gpu_inputs(41 + T, B, T, H, HV, K_, V_, l2, gdist)
-    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype=dtype, g_dtype=g_dtype, scale=K_ ** -0.5,
-                          use_initial_state=True, output_final_state=True, varlen=cu is not None, use_qk_l2norm=l2)
-    tdt = getattr(torch, dtype)
-    t = {n: _torch(x[n]).to(tdt) for n in ("q", "k", "v", "b", "w")}
-    t["g"] = _torch(x["g"]).to(getattr(torch, g_dtype))
-    if cu is not None:
-        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    cfg, t = _prefetch_case(41 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
     arch = _compile.device_arch(0)
     got = []
     for pre in (False, True, True):
@@ -542,6 +552,42 @@ def test_gpu_intra_prefetch_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2
         assert torch.equal(a, b), (n, int((a != b).sum()))
         assert torch.equal(b, c), n
     assert bool(torch.isfinite(got[1]["Y"].float()).all())  # (the default wrote finite values at all)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
+def test_gpu_intra_ftz_changes_only_subnormal_terms(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
+    """``intra_ftz`` (launch 1 compiled with ``nvcc -ftz=true``, the default) against the same pipeline without
+    it, on the prefetch test's cases (packed sequences, GVA, the in-kernel L2 norm, fp16, bf16 g, T = 1, the
+    training forward): every scratch buffer and output agrees to within 1e-30, and two runs with it are
+    bit-identical. On these inputs only values below 2^-126 (1.2e-38) change: QG, KG, QGL, GAM (session 21).
+    (Where a flushed decay factor meets a fast-path partner of up to 2^50, an entry of Aqk can move by up to
+    2^-76 |q_r| |k_s| per channel: 1.3e-26 on the benchmark's accuracy inputs, outside this bound, with o and the
+    final state still bit-identical; ``chunk_fwd_pipeline``'s docstring.) The per-chunk-slot buffers ``GAM`` and
+    ``h`` are left out for packed sequences, whose unused slots are never written."""
+    import torch
+
+    from kernels import registry, torch_api
+
+    cfg, t = _prefetch_case(43 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
+    N = B if cu is None else len(cu) - 1
+    t["h0"] = _torch(np.random.default_rng(T).standard_normal((N, HV, K_, V_)).astype(np.float32))
+    op = registry.get("chunk_gdn2")
+    runs = [torch_api.run_pipeline(op.pipeline(**cfg, save_states=save, intra_ftz=f), t, return_scratch=True)
+            for f in (False, True, True)]
+    torch.cuda.synchronize()
+    assert ("ftz", True) in op.pipeline(**cfg, save_states=save).launches[0].key  # (the default is on)
+    assert sorted(runs[0]) == sorted(runs[1]) and "o" in runs[0] and "Aqk" in runs[0]
+    # (packed sequences leave chunk slots past a sequence's chunks unwritten in the per-slot buffers)
+    per_slot = {"GAM", "h"} if cu is not None else set()
+    for n, a in runs[0].items():
+        if n in per_slot:
+            continue
+        b = runs[1][n]
+        assert torch.equal(b, runs[2][n]), n
+        assert bool(torch.isfinite(a.float()).all()), n
+        d = (a.double() - b.double()).abs()
+        assert float(d.max()) <= 1e-30, (n, float(d.max()), int((a != b).sum()))
 
 
 @pytest.mark.cuda

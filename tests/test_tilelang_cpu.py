@@ -290,8 +290,8 @@ def test_forward_intra_prefetch_masks_every_global_access_itself(varlen, HV, KV,
     kw.update(opts)
     intra = chunk_fwd_pipeline(**kw, intra_prefetch=True).launches[0]
     assert intra.name == "gdn2_chunk_intra" and dict(intra.key[2:])["prefetch"] is True
-    assert dict(intra.pass_configs) == {"tl.disable_safe_memory_legalize": True}
-    plain = chunk_fwd_pipeline(**kw, intra_prefetch=False).launches[0]  # (without it: the checks, v5's key)
+    assert dict(intra.pass_configs)["tl.disable_safe_memory_legalize"] is True
+    plain = chunk_fwd_pipeline(**kw, intra_prefetch=False, intra_ftz=False).launches[0]  # (the checks, v5's key)
     assert plain.pass_configs == () and "prefetch" not in dict(plain.key[2:])
     with pytest.raises(ValueError, match="intra_prefetch must be a bool"):
         chunk_fwd_pipeline(**kw, intra_prefetch=1)
@@ -314,6 +314,46 @@ def test_forward_intra_prefetch_masks_every_global_access_itself(varlen, HV, KV,
     wv = next(i for i, l in enumerate(lines) if "cp_async_gs_conditional" in l and re.search(r"\(\w+\*\)wS\)", l))
     bar = max(i for i in range(wv) if lines[i].strip() == "__syncthreads();")
     assert any(x.startswith("wS:") for x in _copies_without_barrier("\n".join(lines[:bar] + lines[bar + 1:])))
+
+
+@needs_tilelang
+@pytest.mark.slow
+def test_forward_intra_ftz_flag_key_and_slice_loop_barriers():
+    """``intra_ftz`` (the default, ``kernels.defaults.FORWARD``) compiles the forward intra launch with
+    ``nvcc -ftz=true`` and names itself in the launch's key (so its kernels never share a cache entry with the
+    launch without it); off, neither. Whatever its value, the channel-slice loop of the generated CUDA keeps at most
+    eight ``__syncthreads()``: the anchored operands' stores between the slice's decision and its products need
+    none (session 21: with the anchor row read at an index ``n + 8 * fast``, TileLang's barrier planner put one
+    between every two of them, sixteen in all)."""
+    import tilelang
+
+    from kernels import defaults
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    assert defaults.FORWARD["intra_ftz"] is True
+    on = chunk_fwd_pipeline(**kw).launches[0]
+    off = chunk_fwd_pipeline(**kw, intra_ftz=False).launches[0]
+    assert dict(on.pass_configs)["tl.device_compile_flags"] == ("-ftz=true",) and dict(on.key[2:])["ftz"] is True
+    assert "tl.device_compile_flags" not in dict(off.pass_configs) and "ftz" not in dict(off.key[2:])
+    assert _compile.cache_key(on, "sm_90a") != _compile.cache_key(off, "sm_90a")
+    assert chunk_fwd_pipeline(**kw, save_states=True).launches[0].pass_configs == on.pass_configs  # (training fwd)
+    with pytest.raises(ValueError, match="intra_ftz must be a bool, got 1$"):
+        chunk_fwd_pipeline(**kw, intra_ftz=1)
+    src = tilelang.compile(off.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                           pass_configs=dict(off.pass_configs)).get_kernel_source()
+    lines = src.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.strip().startswith("for (int dc = 0;"))
+    depth, end = 0, None
+    for i in range(start, len(lines)):  # the loop's closing brace
+        depth += lines[i].count("{") - lines[i].count("}")
+        if depth == 0:
+            end = i
+            break
+    barriers = sum(l.count("__syncthreads()") for l in lines[start:end + 1])
+    assert 4 <= barriers <= 8, barriers
+    assert "__syncthreads_or(" in "\n".join(lines[start:end + 1])  # (the slice's path decision is in the loop)
 
 
 def test_forward_default_option_errors_name_kernels_defaults(monkeypatch):
