@@ -214,7 +214,10 @@ def _prefill_row(ctx: Ctx, row, seed):
         row["torch_peak_MiB"] = attempt(row, "torch_peak", lambda: L.torch_extra_peak_mib(ours_t))
 
         def stages():
-            calls = L.stage_callables(L.chunk_pipeline(H, HV), {n: x[n] for n in ARGS + ("h0",)})
+            from kernels import registry  # (the launches the public call runs: its per-call options too)
+
+            call = registry.get("chunk_gdn2").options_for_call(N=B, HV=HV, V=L.D)
+            calls = L.stage_callables(L.chunk_pipeline(H, HV, **call), {n: x[n] for n in ARGS + ("h0",)})
             return {name: L.event_ms(c, **PREFILL_BENCH) for name, c in calls}
 
         row["stage_ms"] = attempt(row, "stages", stages)

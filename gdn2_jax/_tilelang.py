@@ -217,10 +217,13 @@ def _fold_vmap(core, names: tuple, varlen: bool, out_names: tuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bool):
-    """Differentiable, vmappable array function ``f(*arrays) -> (o, ht?)`` for one static configuration."""
+def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bool, call: tuple = ()):
+    """Differentiable, vmappable array function ``f(*arrays) -> (o, ht?)`` for one static configuration.
+
+    ``call``: factory options of the inference pipeline alone (``registry.KernelOp.options_for_call``, sorted
+    items); the training path (:func:`_kernel_vjp`) builds its pipelines from ``cfg``."""
     op = registry.get(p.op)
-    pipe = op.pipeline(**dict(cfg))
+    pipe = op.pipeline(**dict(cfg), **dict(call))
     out_names = tuple(b.name for b in pipe.outputs)
     varlen = "cu_seqlens" in names
 
@@ -416,7 +419,8 @@ def forward(p: Problem, q, k, v, g, b, w, initial_state, cu_seqlens, poison=None
     key = Problem(p.op, Dims(0, 0, d.H, d.HV, d.K, d.V, 0, d.scale, jnp.float32, d.varlen), p.output_final_state,
                   p.use_qk_l2norm_in_kernel, p.options)  # the static part only: one function serves every B and T
     cuda_graph = os.environ.get("GDN2_JAX_CUDA_GRAPH", "") == "1"
-    outs = _make_op(key, names, tuple(sorted(cfg.items())), inplace, cuda_graph)(*arrays)
+    call = registry.get(p.op).options_for_call(N=d.N, HV=d.HV, V=d.V)
+    outs = _make_op(key, names, tuple(sorted(cfg.items())), inplace, cuda_graph, tuple(sorted(call.items())))(*arrays)
     o, ht = outs[0], (outs[1] if p.output_final_state else None)
     if poison is not None and not in_kernel_poison:
         o = o * poison.astype(o.dtype)

@@ -51,6 +51,18 @@ BACKWARD_OPTIONS = _backward_options()
 TRAINING_OPTIONS = frozenset({"z_split", "qg_split"})
 
 
+#: the configurations of ``tests/test_stages.py``'s ``_PREFETCH_CASES`` (varlen, H, HV, K, V, l2, dtype, g dtype,
+#: save_states): its prefetch and ``intra_ftz`` tests
+_PREFETCH_CFGS = ((False, 2, 4, 128, 128, False, "bfloat16", "float32", False),
+                  (True, 2, 4, 64, 128, True, "bfloat16", "float32", True),
+                  (False, 1, 1, 128, 64, False, "float16", "bfloat16", False),
+                  (False, 2, 2, 64, 64, True, "bfloat16", "bfloat16", True),
+                  (True, 1, 2, 128, 128, False, "float16", "float32", False))
+#: cases of ``tests/test_stages.py::test_gpu_state_block_v64_bit_identical`` (varlen, H, HV, K, V, l2, dtype, g dtype)
+_BV_CASES = ((False, 2, 4, 128, 128, False, "bfloat16", "float32"), (True, 2, 4, 64, 128, True, "bfloat16", "float32"),
+             (False, 2, 2, 128, 128, False, "float16", "bfloat16"), (False, 1, 2, 64, 64, False, "bfloat16", "float32"))
+
+
 def preset(name: str) -> list[dict]:
     """Configurations of a preset (``tests`` mirrors the GPU tests, ``bench`` benchmarks/bench.py)."""
     serving = [cfg(h, h, 128, dtype=dt, l2=l2) for h in (16, 32) for dt in ("bfloat16", "float16")
@@ -107,12 +119,7 @@ def preset(name: str) -> list[dict]:
     bwdexp = [dict(c, **o) for c in (cfg(32, 32, 128), cfg(2, 2, 128), cfg(2, 4, 128), cfg(2, 4, 128, varlen=True))
               for o in ({},) + bwd_variants]
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_prefetch=p, save_states=s)
-              for (vl, h, hv, k, v, l2, dt, gd, s) in (
-                  (False, 2, 4, 128, 128, False, "bfloat16", "float32", False),
-                  (True, 2, 4, 64, 128, True, "bfloat16", "float32", True),
-                  (False, 1, 1, 128, 64, False, "float16", "bfloat16", False),
-                  (False, 2, 2, 64, 64, True, "bfloat16", "bfloat16", True),
-                  (True, 1, 2, 128, 128, False, "float16", "float32", False)) for p in (False, True)]
+              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS for p in (False, True)]
     # fp32 against input-dtype gradients (tests/test_stages.py: cast_grads bit-identical to casting afterwards)
     casts = [cfg(2, 2, 128), cfg(2, 4, 128, varlen=True), cfg(2, 2, 64, 128, l2=True, g_dtype="bfloat16"),
              cfg(1, 1, 128, 64, dtype="float16")]
@@ -122,6 +129,15 @@ def preset(name: str) -> list[dict]:
               dict(cfg(4, 4, 128), z_split=True, intra_prefetch=False), dict(cfg(4, 4, 128), qg_split=True)]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
         dict(cfg(2, 4, 128), aqk_split=False), dict(cfg(2, 4, 128), exact_diag=True)]
+    # the state pass with V-blocks of 64 that inference calls with many sequences x heads choose
+    # (kernels.chunk_fwd.inference_options): serving and benchmark head counts, and the tests' bit-identity cases
+    serving += [dict(c, block_v=64) for c in serving]
+    bench += [dict(cfg(h, h, 128), block_v=64) for h in (16, 32)]
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), **({"block_v": 64} if bv else {}))
+              for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES for bv in (False, True)]
+    # the forward intra launch without -ftz (tests/test_stages.py: intra_ftz changes only subnormal terms)
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_ftz=False, save_states=s)
+              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,
              "all": serving + pools + bench + tests + layers, "sweep": _sweep(), "profile": profile, "bwdexp": bwdexp}
     if name not in table:

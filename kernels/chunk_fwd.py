@@ -41,13 +41,32 @@ from . import defaults, registry
 from ._common import CHUNK, L2NORM_EPS, LOG2E, TF32_DY, drop_params, rounding_residual, tf32_nearest, tf32_operand
 from ._pipeline import Buf, Launch, Pipeline
 
-__all__ = ["chunk_fwd_pipeline", "num_chunk_slots"]
+__all__ = ["chunk_fwd_pipeline", "inference_options", "num_chunk_slots"]
 
 SUB = 16
 # a slice's diagonal 16x16 blocks use TF32 products (anchored at each sub-chunk's row 8) when every base-2 log-decay
 # within a sub-chunk lies within this distance of that row's (69 nats over 16 tokens); else exact fp32 sums
 DIAG_HALF_RANGE = 50.0
 _VERSION = 5  # bump when the generated code changes in a way the source hash would not see
+
+
+#: An inference call gives launch 2 (the state pass) V-blocks of 64 instead of the factory's 16 / 32 when that still
+#: makes at least this many blocks (sequences x value heads x V / 64): half the blocks re-read each chunk's Y, QG,
+#: KG and Aqk through L2 (the launch is L2-bound at V-blocks of 32: 89.7% L2 throughput, ncu, session 21), which
+#: paid 15-16% at 256-1024 blocks on the H200 (session 5) and cost 1.6-2.5x at 32-64 (too few blocks for 132 SMs).
+STATE_BV64_MIN_BLOCKS = 256
+
+
+def inference_options(*, N: int, HV: int, V: int) -> dict:
+    """Factory options of :func:`chunk_fwd_pipeline` for one inference call with ``N`` sequences (``HV`` value heads
+    of dim ``V``), which the runners add to ``registry.config`` (``registry.KernelOp.options_for_call``): ``block_v``
+    64 when V = 128 and ``N * HV * 2 >= STATE_BV64_MIN_BLOCKS``, else none (the factory's default). The training
+    forward keeps the default (its state pass also writes the per-chunk states the backward reads). Changes no
+    result: launch 2's products sum over K and over a chunk's rows, never over V, so the V-block width only moves
+    work between blocks (bit-identical, ``tests/test_stages.py``)."""
+    if V == 128 and N * HV * (V // 64) >= STATE_BV64_MIN_BLOCKS:
+        return {"block_v": 64}
+    return {}
 
 
 def num_chunk_slots(T: int, N: int, varlen: bool) -> int:

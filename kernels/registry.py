@@ -84,6 +84,12 @@ class KernelOp:
     support: Support
     xla: str
     backward: str | None = None  # factory of the backward kernels (same config; the forward with save_states)
+    call_options: str | None = None  # ``f(*, N, HV, V) -> dict``: factory options chosen per inference call
+
+    def options_for_call(self, *, N: int, HV: int, V: int) -> dict:
+        """Factory options that the runners add to :func:`config` for one inference call with ``N`` sequences
+        (launch shapes chosen from the batch, e.g. ``chunk_gdn2``'s state-pass V-block); ``{}`` for ops without."""
+        return dict(resolve(self.call_options)(N=int(N), HV=int(HV), V=int(V))) if self.call_options else {}
 
     def pipeline(self, **cfg) -> Pipeline:
         """The pipeline for one static configuration (:func:`config` plus factory options); memoised."""
@@ -110,7 +116,8 @@ def _pipeline(factory: str, items: tuple) -> Pipeline:
 
 OPS: dict[str, KernelOp] = {op.name: op for op in (
     KernelOp("chunk_gdn2", "kernels.chunk_fwd:chunk_fwd_pipeline", Support(),
-             "gdn2_jax.xla.chunk:chunk_forward", backward="kernels.chunk_bwd:chunk_bwd_pipeline"),
+             "gdn2_jax.xla.chunk:chunk_forward", backward="kernels.chunk_bwd:chunk_bwd_pipeline",
+             call_options="kernels.chunk_fwd:inference_options"),
     KernelOp("fused_recurrent_gdn2", "kernels.recurrent_fwd:fused_recurrent_fwd_pipeline",
              Support(K=(16, 32, 64, 128, 256), V=(16, 32, 64, 128, 256)),
              "gdn2_jax.xla.recurrent:recurrent_forward"),

@@ -500,6 +500,15 @@ _PREFETCH_CASES = [  # varlen cu_seqlens or None, B, T, H, HV, K, V, l2norm, dty
 ]
 
 
+def test_prefetch_cases_are_prebuilt_by_the_tests_preset():
+    """``kernels/build.py``'s ``_PREFETCH_CFGS`` (what the ``tests`` preset compiles ahead of time for the prefetch
+    and ``intra_ftz`` GPU tests) lists the configurations of :data:`_PREFETCH_CASES`, in order."""
+    from kernels.build import _PREFETCH_CFGS
+
+    assert [(cu is not None, H, HV, K_, V_, l2, dt, gd, save)
+            for cu, B, T, H, HV, K_, V_, l2, dt, gd, save, gdist in _PREFETCH_CASES] == list(_PREFETCH_CFGS)
+
+
 def _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist):
     """A :data:`_PREFETCH_CASES` case on the GPU: its ``registry.config`` and torch inputs q, k, v, g, b, w (and
     ``cu_seqlens`` when packed) in the case's dtypes (no initial state: the intra launch does not read it)."""
@@ -588,6 +597,43 @@ def test_gpu_intra_ftz_changes_only_subnormal_terms(cu, B, T, H, HV, K_, V_, l2,
         assert bool(torch.isfinite(a.float()).all()), n
         d = (a.double() - b.double()).abs()
         assert float(d.max()) <= 1e-30, (n, float(d.max()), int((a != b).sum()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", range(4))
+def test_gpu_state_block_v64_bit_identical(case):
+    """The state pass with V-blocks of 64 (what ``kernels.chunk_fwd.inference_options`` picks for many sequences x
+    heads) gives o and the final state bit-identical to the default V-blocks: its products sum over K and over a
+    chunk's rows, never over V (``kernels/build.py``'s ``_BV_CASES``: dense bf16 GVA, packed sequences with an
+    empty and a one-token one, K = 64 and the in-kernel L2 norm, fp16 with bf16 g, K = V = 64). And the public
+    torch call at B = 8, H = 32, which takes V-blocks of 64, equals the default pipeline bit for bit."""
+    import torch
+
+    from kernels import registry, torch_api
+    from kernels.build import _BV_CASES
+
+    varlen, H, HV, K_, V_, l2, dtype, g_dtype = _BV_CASES[case]
+    cu = [0, 0, 70, 200, 201] if varlen else None
+    B, T = (1, 201) if varlen else (2, 150)
+    cfg, t = _prefetch_case(7 + case, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, "spec")
+    N = B if cu is None else len(cu) - 1
+    t["h0"] = _torch(np.random.default_rng(case).standard_normal((N, HV, K_, V_)).astype(np.float32))
+    op = registry.get("chunk_gdn2")
+    runs = [torch_api.run_pipeline(op.pipeline(**cfg, **opt), t) for opt in ({}, {"block_v": 64})]
+    torch.cuda.synchronize()
+    assert ("BV", 64) in op.pipeline(**cfg, block_v=64).launches[1].key
+    for n in ("o", "ht"):
+        assert bool(torch.isfinite(runs[0][n].float()).all()), n
+        assert torch.equal(runs[0][n], runs[1][n]), (n, float((runs[0][n].float() - runs[1][n].float()).abs().max()))
+    # the public call picks V-blocks of 64 at 8 sequences x 32 heads (K = V = 128)
+    assert op.options_for_call(N=8, HV=32, V=128) == {"block_v": 64}
+    cfg, t = _prefetch_case(5, None, 8, 100, 32, 32, 128, 128, False, "bfloat16", "float32", "spec")
+    t["h0"] = _torch(np.random.default_rng(3).standard_normal((8, 32, 128, 128)).astype(np.float32))
+    o, ht = torch_api.chunk_gdn2(t["q"], t["k"], t["v"], t["g"], t["b"], t["w"], initial_state=t["h0"],
+                                 output_final_state=True)
+    ref = torch_api.run_pipeline(op.pipeline(**cfg), t)
+    torch.cuda.synchronize()
+    assert torch.equal(o, ref["o"]) and torch.equal(ht, ref["ht"])
 
 
 @pytest.mark.cuda

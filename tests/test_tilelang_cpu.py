@@ -151,6 +151,50 @@ def test_lowering_chunk_custom_calls():
     assert "tensor<2x100x2x128xbf16>" in txt.split("return")[-1] or "2x100x2x128xbf16" in txt
 
 
+def test_chunk_state_block_v_chosen_per_inference_call():
+    """``chunk_gdn2``'s inference calls give the state pass V-blocks of 64 where sequences x value heads x V / 64
+    reaches ``STATE_BV64_MIN_BLOCKS`` (V = 128 only), the factory default otherwise; ops without a per-call rule
+    add nothing. The JAX path lowers to that pipeline's launches (B = 8, H = 32: the bv64 state launch; B = 1: the
+    default's), and a gradient keeps the training pipelines of the default."""
+    from kernels.chunk_fwd import STATE_BV64_MIN_BLOCKS, chunk_fwd_pipeline
+
+    op = registry.get("chunk_gdn2")
+    assert STATE_BV64_MIN_BLOCKS == 256
+    assert op.options_for_call(N=4, HV=32, V=128) == {"block_v": 64}
+    assert op.options_for_call(N=8, HV=16, V=128) == {"block_v": 64}
+    assert op.options_for_call(N=3, HV=32, V=128) == {} and op.options_for_call(N=1, HV=32, V=128) == {}
+    assert op.options_for_call(N=64, HV=32, V=64) == {}
+    assert registry.get("fused_recurrent_gdn2").options_for_call(N=128, HV=32, V=128) == {}
+
+    def f(q, k, v, g, b, w, h0):
+        return gdn2_jax.chunk_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True, backend="tilelang")
+
+    def target(pipe, i):
+        return _compile.target_name(pipe.launches[i], "sm_90a")
+
+    def names(txt):  # custom-call targets without the suffix of dropped operands
+        return [re.sub(r"_d[\d_]+$", "", t) for t in re.findall(r"custom_call @(\w+)\(", txt)]
+
+    kw = dict(H=32, HV=32, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    plain, bv64 = chunk_fwd_pipeline(**kw), chunk_fwd_pipeline(**kw, block_v=64)
+    assert target(plain, 0) == target(bv64, 0) and target(plain, 1) != target(bv64, 1)
+    assert names(_lower(f, _specs(8, 64, 32, 32, 128, 128))) == [target(bv64, 0), target(bv64, 1)]
+    assert names(_lower(f, _specs(1, 64, 32, 32, 128, 128))) == [target(plain, 0), target(plain, 1)]
+
+    def loss(q, k, v, g, b, w, h0):
+        o, ht = f(q, k, v, g, b, w, h0)
+        return o.astype(jnp.float32).sum() + ht.sum()
+
+    train = names(_lower(jax.grad(loss, argnums=(0, 1)), _specs(8, 64, 32, 32, 128, 128)))
+    from kernels.chunk_bwd import training_forward_options
+
+    cfg = registry.config(**kw)
+    tr = op.pipeline(**cfg, save_states=True, **training_forward_options(op.backward_pipeline(**cfg)))
+    tr64 = op.pipeline(**cfg, save_states=True, block_v=64, **training_forward_options(op.backward_pipeline(**cfg)))
+    assert target(tr, 1) in train and target(tr64, 1) not in train
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_lowering_chunk_grad_runs_the_backward_kernels(varlen):
     """``jax.grad`` through ``backend="tilelang"``: the training forward (its launches saving A, h and v_new: other
