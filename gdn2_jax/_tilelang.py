@@ -217,18 +217,23 @@ def _fold_vmap(core, names: tuple, varlen: bool, out_names: tuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bool, call: tuple = ()):
+def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bool):
     """Differentiable, vmappable array function ``f(*arrays) -> (o, ht?)`` for one static configuration.
 
-    ``call``: factory options of the inference pipeline alone (``registry.KernelOp.options_for_call``, sorted
-    items); the training path (:func:`_kernel_vjp`) builds its pipelines from ``cfg``."""
+    The inference launches add the op's per-call options (``registry.KernelOp.options_for_call``), chosen from the
+    shapes each call of ``run`` receives: under ``jax.vmap`` those of the folded batch (:func:`_fold_vmap`). The
+    training path (:func:`_kernel_vjp`) builds its pipelines from ``cfg`` alone."""
     op = registry.get(p.op)
-    pipe = op.pipeline(**dict(cfg), **dict(call))
+    cfg_d = dict(cfg)
+    pipe = op.pipeline(**cfg_d)
     out_names = tuple(b.name for b in pipe.outputs)
     varlen = "cu_seqlens" in names
 
     def run(*arrays):
-        res = run_pipeline(pipe, dict(zip(names, arrays)), inplace=inplace, cuda_graph=cuda_graph)
+        a = dict(zip(names, arrays))
+        n_seq = a["cu_seqlens"].shape[0] - 1 if varlen else a["q"].shape[0]
+        call = op.options_for_call(N=n_seq, HV=cfg_d["HV"], V=cfg_d["V"])
+        res = run_pipeline(op.pipeline(**cfg_d, **call) if call else pipe, a, inplace=inplace, cuda_graph=cuda_graph)
         return tuple(res[n] for n in out_names)
 
     if "state_indices" in names:  # a shared state pool: vmap runs the kernel once per mapped problem
@@ -418,9 +423,9 @@ def forward(p: Problem, q, k, v, g, b, w, initial_state, cu_seqlens, poison=None
                           **serving)
     key = Problem(p.op, Dims(0, 0, d.H, d.HV, d.K, d.V, 0, d.scale, jnp.float32, d.varlen), p.output_final_state,
                   p.use_qk_l2norm_in_kernel, p.options)  # the static part only: one function serves every B and T
+    # (its launches may still differ with B: see _make_op)
     cuda_graph = os.environ.get("GDN2_JAX_CUDA_GRAPH", "") == "1"
-    call = registry.get(p.op).options_for_call(N=d.N, HV=d.HV, V=d.V)
-    outs = _make_op(key, names, tuple(sorted(cfg.items())), inplace, cuda_graph, tuple(sorted(call.items())))(*arrays)
+    outs = _make_op(key, names, tuple(sorted(cfg.items())), inplace, cuda_graph)(*arrays)
     o, ht = outs[0], (outs[1] if p.output_final_state else None)
     if poison is not None and not in_kernel_poison:
         o = o * poison.astype(o.dtype)

@@ -132,7 +132,7 @@ def preset(name: str) -> list[dict]:
     # the state pass with V-blocks of 64 that inference calls with many sequences x heads choose
     # (kernels.chunk_fwd.inference_options): serving and benchmark head counts, and the tests' bit-identity cases
     serving += [dict(c, block_v=64) for c in serving]
-    bench += [dict(cfg(h, h, 128), block_v=64) for h in (16, 32)]
+    bench += [dict(cfg(32, 32, 128), block_v=64)]
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), **({"block_v": 64} if bv else {}))
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES for bv in (False, True)]
     # the forward intra launch without -ftz (tests/test_stages.py: intra_ftz changes only subnormal terms)

@@ -721,11 +721,12 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``intra_ftz`` (default from ``kernels.defaults.FORWARD``): launch 1 is compiled with ``nvcc -ftz=true``, so that
     each ``exp2`` is one ``MUFU.EX2`` instead of four instructions (the range test and the two scalings that keep
     results below 2^-126 subnormal), and fp32 subnormals (below 2^-126, 1.2e-38) are flushed to zero in its
-    arithmetic. Only terms that pass through a subnormal change: QG, KG, GAM and b*k*exp(G) lose values below
-    2^-126, and a flushed decay factor can meet an anchored partner of at most 2^50 (``DIAG_HALF_RANGE``), so an
-    entry of Aqk or T moves by less than 2^-76 |x_r| |k_s| per channel. Measured (session 21, H100, seven cases
-    including the benchmark's accuracy inputs): o and the final state bit-identical, the largest change in Aqk
-    1.3e-26 (``docs/performance-notes.md``).
+    arithmetic. Only terms that pass through a subnormal change: QG, KG, QGL, GAM and b*k*exp(G) lose values
+    below 2^-126, and a flushed factor or product can meet an anchored partner of at most 2^50
+    (``DIAG_HALF_RANGE``) times an input, so an entry of Aqk or T moves by less than
+    2^-76 max(|x_r|, |k_s|, |x_r| |k_s|) per channel (and Y, U, o through them). Measured (session 21, H100, seven
+    cases including the benchmark's accuracy inputs): o and the final state bit-identical, the largest change in
+    Aqk 1.3e-26 (``docs/performance-notes.md``).
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).

@@ -155,7 +155,8 @@ def test_chunk_state_block_v_chosen_per_inference_call():
     """``chunk_gdn2``'s inference calls give the state pass V-blocks of 64 where sequences x value heads x V / 64
     reaches ``STATE_BV64_MIN_BLOCKS`` (V = 128 only), the factory default otherwise; ops without a per-call rule
     add nothing. The JAX path lowers to that pipeline's launches (B = 8, H = 32: the bv64 state launch; B = 1: the
-    default's), and a gradient keeps the training pipelines of the default."""
+    default's; ``jax.vmap`` over 8 problems of B = 1: the folded batch's choice; 4 packed sequences: N from
+    ``cu_seqlens``), and a gradient keeps the training pipelines of the default."""
     from kernels.chunk_fwd import STATE_BV64_MIN_BLOCKS, chunk_fwd_pipeline
 
     op = registry.get("chunk_gdn2")
@@ -181,6 +182,19 @@ def test_chunk_state_block_v_chosen_per_inference_call():
     assert target(plain, 0) == target(bv64, 0) and target(plain, 1) != target(bv64, 1)
     assert names(_lower(f, _specs(8, 64, 32, 32, 128, 128))) == [target(bv64, 0), target(bv64, 1)]
     assert names(_lower(f, _specs(1, 64, 32, 32, 128, 128))) == [target(plain, 0), target(plain, 1)]
+    # under vmap the choice follows the folded batch: 8 problems of one sequence are one call of 8 sequences
+    mapped = [S((8,) + x.shape, x.dtype) for x in _specs(1, 64, 32, 32, 128, 128)]
+    assert names(_lower(jax.vmap(f), mapped)) == [target(bv64, 0), target(bv64, 1)]
+    # packed sequences: N = len(cu_seqlens) - 1 (4 sequences x 32 heads)
+
+    def fv(q, k, v, g, b, w, h0, cu):
+        return gdn2_jax.chunk_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                   backend="tilelang")
+
+    kwv = dict(kw, varlen=True)
+    v64 = chunk_fwd_pipeline(**kwv, block_v=64)
+    specs = _specs(1, 256, 32, 32, 128, 128, N=4) + [S((5,), jnp.int32)]
+    assert names(_lower(fv, specs)) == [target(v64, 0), target(v64, 1)]
 
     def loss(q, k, v, g, b, w, h0):
         o, ht = f(q, k, v, g, b, w, h0)
