@@ -564,8 +564,8 @@ def bench_kernel_configs(sweep=False) -> list[tuple[str, dict]]:
     out = []
     for H in (16, 32):
         out.append(("chunk_gdn2", cfg(H)))                    # prefill (JAX, torch, stages)
-    out.append(("chunk_gdn2", cfg(32, block_v=64)))             # prefill at B >= 4, H = 32 (inference_options)
         out.append(("chunk_gdn2", cfg(H, h0=False, ht=False)))  # train forward
+    out.append(("chunk_gdn2", cfg(32, block_v=64)))             # prefill at B >= 4, H = 32 (inference_options)
     out.append(("chunk_gdn2", cfg(4)))                          # accuracy: prefill
     out.append(("chunk_gdn2", cfg(2)))                          # accuracy: gradients
     for H in (32, 4):
