@@ -676,6 +676,17 @@ def sizes_fn(varlen: bool, first: str = "q"):
     return sizes
 
 
+def _forward_default(fn: str, name: str, value):
+    """Option ``name`` of ``fn``: ``value``, or ``kernels.defaults.FORWARD[name]`` when None; ``ValueError`` unless
+    a bool, naming the defaults table when the bad value came from there."""
+    origin = ""
+    if value is None:
+        value, origin = defaults.FORWARD[name], " (from kernels.defaults.FORWARD)"
+    if not isinstance(value, bool):
+        raise ValueError(f"{fn}: {name} must be a bool, got {value!r}{origin}")
+    return value
+
+
 def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: str, scale: float,
                        use_initial_state: bool, output_final_state: bool, varlen: bool, use_qk_l2norm: bool,
                        block_v: int | None = None, stages: int = 2, intra_threads: int = 256,
@@ -733,16 +744,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     Raises ``ValueError`` for unsupported configurations.
     """
     fn = "chunk_fwd_pipeline"
-    origin = ""
-    if intra_prefetch is None:
-        intra_prefetch, origin = defaults.FORWARD["intra_prefetch"], " (from kernels.defaults.FORWARD)"
-    if not isinstance(intra_prefetch, bool):
-        raise ValueError(f"{fn}: intra_prefetch must be a bool, got {intra_prefetch!r}{origin}")
-    z_origin = ""
-    if z_split is None:
-        z_split, z_origin = defaults.FORWARD["z_split"], " (from kernels.defaults.FORWARD)"
-    if not isinstance(z_split, bool):
-        raise ValueError(f"{fn}: z_split must be a bool, got {z_split!r}{z_origin}")
+    intra_prefetch = _forward_default(fn, "intra_prefetch", intra_prefetch)
+    z_split = _forward_default(fn, "z_split", z_split)
     qg_origin = ""
     if qg_split is None:
         qg_split = bool(save_states) and defaults.BACKWARD["qg_split"]
@@ -751,11 +754,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: qg_split must be a bool, got {qg_split!r}{qg_origin}")
     if qg_split and not save_states:
         raise ValueError(f"{fn}: qg_split=True needs save_states=True (QGL is read by the backward only)")
-    ftz_origin = ""
-    if intra_ftz is None:
-        intra_ftz, ftz_origin = defaults.FORWARD["intra_ftz"], " (from kernels.defaults.FORWARD)"
-    if not isinstance(intra_ftz, bool):
-        raise ValueError(f"{fn}: intra_ftz must be a bool, got {intra_ftz!r}{ftz_origin}")
+    intra_ftz = _forward_default(fn, "intra_ftz", intra_ftz)
     if tf32_states is None:  # (a bool by construction)
         tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] in TF32_DY
     if not isinstance(tf32_states, bool):
