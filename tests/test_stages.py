@@ -642,6 +642,41 @@ def test_gpu_state_block_v64_bit_identical(case, monkeypatch):
 
 
 @pytest.mark.cuda
+def test_gpu_vmap_chunk_takes_the_folded_batch_launch():
+    """``jax.vmap`` of the jitted public ``chunk_gdn2`` over 8 problems of one sequence (H = 32, K = V = 128) runs as
+    one call of 8 sequences, which takes the state pass with V-blocks of 64 (``inference_options``); its o and final
+    state equal the 8 problems called one by one (V-blocks of 32) and one B = 8 call, bit for bit."""
+    import re
+
+    import gdn2_jax
+    from kernels import _compile, registry
+
+    M, T, H, D = 8, 100, 32, 128
+    xs = [_gpu_inputs(60 + i, 1, T, H, H, D, D, False, "spec") for i in range(M)]
+    x = {n: jnp.asarray(np.stack([np.asarray(a[n], np.float32) for a in xs]),
+                        jnp.float32 if n in ("g", "h0") else jnp.bfloat16)
+         for n in ("q", "k", "v", "g", "b", "w", "h0")}
+
+    def f(q, k, v, g, b, w, h0):
+        return gdn2_jax.chunk_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True, backend="tilelang")
+
+    args = [x[n] for n in ("q", "k", "v", "g", "b", "w", "h0")]
+    vf = jax.jit(jax.vmap(f))
+    cfg = registry.config(H=H, HV=H, K=D, V=D, dtype="bfloat16", g_dtype="float32", scale=D ** -0.5,
+                          use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    bv64 = registry.get("chunk_gdn2").pipeline(**cfg, block_v=64).launches[1]
+    targets = re.findall(r"custom_call @(\w+)\(", vf.lower(*args).as_text())
+    assert any(t.startswith(_compile.target_name(bv64, _compile.device_arch(0))) for t in targets), targets
+    ov, hv = vf(*args)
+    one = [jax.jit(f)(*(a[i] for a in args)) for i in range(M)]
+    ob, hb = jax.jit(f)(*(a[:, 0] for a in args[:6]), args[6][:, 0])
+    assert bool(jnp.isfinite(ov.astype(jnp.float32)).all())
+    assert bool(jnp.array_equal(ov, jnp.stack([o for o, _ in one])))
+    assert bool(jnp.array_equal(hv, jnp.stack([h for _, h in one])))
+    assert bool(jnp.array_equal(ov[:, 0], ob)) and bool(jnp.array_equal(hv[:, 0], hb))
+
+
+@pytest.mark.cuda
 def test_gpu_intra_aqk_split_residual_vs_twin():
     """With ``aqk_split`` (the default) launch 1 also stores Aqk's bf16 rounding residual (``AqkL``): Aqk itself is
     unchanged (bit-identical to the launch without it), and Aqk + AqkL is closer to the xla twin's fp32 scores than
