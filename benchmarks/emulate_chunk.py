@@ -56,8 +56,11 @@ def inputs(seed, B, T, H, K=128, V=128):
 
 
 def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, aqk_split=False, keep32=(), z_split=False,
-          qg_split=False):
+          qg_split=False, solve="neumann"):
     """Launch 1 for one chunk of one head (rows [C, K]); returns Aqk, Y, U, QG, KG (bf16 values) and GAM.
+    ``solve``: ``"neumann"`` (A = (I - N + N^2 - N^3) D, four TF32 products) or ``"blocked"`` (``blocked_solve``:
+    the 16 x 16 off-diagonal blocks of the two 32 x 32 diagonal blocks in fp32, the lower 32 x 32 block as two
+    TF32 products).
     ``z_split``: U from the exact w v (its bf16 rounding plus residual, two products); ``qg_split``: QG returned
     as bf16 plus its bf16 rounding residual (the training forward's QGL, summed here)."""
     K = q.shape[-1]
@@ -110,11 +113,23 @@ def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, aqk_split=Fa
 
     # with tf32_round the kernel stores N and N^2 rounded (they are products' operands), N^3 as computed
     rnd = (lambda x: tf32(x, "rn")) if mode == "rn" else (lambda x: x)
-    N1 = rnd(mm(D, Toff))
-    N2 = rnd(mm(N1, N1))
-    N3 = mm(N1, N2)
-    M = (np.eye(C, dtype=np.float32) - N1 + N2 - N3).astype(np.float32)
-    A = bf16(mm(M, D))
+    if solve == "blocked":
+        def mm32(x, y):  # fp32 SIMT products (accumulated exactly here)
+            return (x.astype(np.float64) @ y.astype(np.float64)).astype(np.float32)
+
+        X = D.copy()
+        for p in range(0, C, 2 * BC):  # X_(i+1, i) = -D_(i+1) (T_(i+1, i) D_i), i = 0, 2
+            rr, cc = slice(p + BC, p + 2 * BC), slice(p, p + BC)
+            X[rr, cc] = -mm32(D[rr, rr], mm32(Tm[rr, cc], D[cc, cc]))
+        H2 = C // 2  # lower half: -X_BB (T_BA X_AA), TF32 operands (the kernel's P is fp32 in shared memory)
+        X[H2:, :H2] = -mm(X[H2:, H2:], mm(Tm[H2:, :H2], X[:H2, :H2]))
+        A = bf16(X)
+    else:
+        N1 = rnd(mm(D, Toff))
+        N2 = rnd(mm(N1, N1))
+        N3 = mm(N1, N2)
+        M = (np.eye(C, dtype=np.float32) - N1 + N2 - N3).astype(np.float32)
+        A = bf16(mm(M, D))
     Ebs = bf16(bk * np.exp2(G))
     Zs = (w * v).astype(np.float32) if z_split else bf16(w * v)  # (exact: two 8-bit significands)
 
@@ -169,6 +184,7 @@ VARIANTS = {
     "v5 + aqk_split (trunc)": dict(diag="tf32", mode="trunc", aqk_split=True),
     "v5 + all three options": dict(diag="tf32", mode="rn", exact_self=True, aqk_split=True),
     "v5 + aqk_split + z_split": dict(diag="tf32", mode="trunc", aqk_split=True, z_split=True),
+    "+ blocked_solve (session 22)": dict(diag="tf32", mode="trunc", aqk_split=True, z_split=True, solve="blocked"),
 }
 ABLATIONS = {  # on top of "v5 + exact_self, rn": which rounding points carry the error
     "+ Aqk fp32": dict(keep32=("Aqk",)),

@@ -29,7 +29,8 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "exact_self": {"exact_self": True}, "tf32_round": {"tf32_round": True}, "v5": {"aqk_split": False},
             "precise": {"tf32_round": True, "exact_self": True},
             "no_prefetch": {"intra_prefetch": False},  # (prefetch: the default, kernels.defaults.FORWARD)
-            "noftz": {"intra_ftz": False}}  # (-ftz=true: the default since session 21)
+            "noftz": {"intra_ftz": False},  # (-ftz=true: the default since session 21)
+            "neumann": {"blocked_solve": False}}  # (the blocked solve: the default since session 22)
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):

@@ -3,6 +3,9 @@
 #   build   compile what the carried kernel cache (.kcache/) lacks (-j 15; BUILD_PRESET, default all; then the
 #           benchmark's kernels unless BUILD_BENCH=0); the cache comes back as kcache.tgz.part-* (KCACHE_BACK=0: not;
 #           KCACHE_PRESETS=bench,layers: those presets' kernels only; put the parts into .kc/ and carry ".kc")
+#   bgbuild start `build` (BUILD_PRESET, -j BG_JOBS, default 10) in its own process session, so that it outlives
+#           this call and fills .kcache/ on the warm machine while the other steps run; `bgwait` (a later step or call
+#           on the same warm machine) waits for it (T_BGWAIT s) and shows its summary (log: /tmp/bgbuild.log)
 #   tests   every `cuda` test (pytest -n 6); with `parity` in the same call the FLA layer-parity test runs in its
 #           own process alongside all other steps (its Triton autotune results come back as fla-autotune-new.tgz)
 #   parity  the FLA layer-parity test alone, timed (issue 9: < 120 s with the autotune cache carried in .gpu/)
@@ -41,6 +44,20 @@ if ls .kc/kcache.tgz.part-* >/dev/null 2>&1; then mkdir -p .kcache && cat .kc/kc
 elif [[ -f .kc/kcache.tgz ]]; then mkdir -p .kcache && tar -xzf .kc/kcache.tgz -C .kcache; fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader | tee -a "$LOG"
 
+if has bgbuild; then
+  step bgbuild
+  rm -f /tmp/bgbuild.log
+  setsid nohup bash -c "timeout ${T_BUILD:-600} python -m kernels.build --preset ${BUILD_PRESET:-all} -j ${BG_JOBS:-10}; \
+      [[ '${BUILD_BENCH:-1}' == 1 ]] && timeout ${T_BUILD:-600} python -m benchmarks.bench --precompile -j ${BG_JOBS:-10}; \
+      echo BGBUILD_DONE" > /tmp/bgbuild.log 2>&1 < /dev/null &
+  echo "background build started (pid $!)" | tee -a "$LOG"
+fi
+if has bgwait; then
+  step bgwait; t0=$(date +%s)
+  while ! grep -q BGBUILD_DONE /tmp/bgbuild.log 2>/dev/null && (( $(date +%s) - t0 < ${T_BGWAIT:-420} )); do sleep 5; done
+  grep "kernels for\|BGBUILD_DONE\|Error" /tmp/bgbuild.log | tee -a "$LOG"
+  echo "waited $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
+fi
 if has build; then
   step build
   { timeout ${T_BUILD:-240} python -m kernels.build --preset ${BUILD_PRESET:-all} -j 15

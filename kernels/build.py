@@ -91,6 +91,9 @@ def preset(name: str) -> list[dict]:
     # the forward intra launch without its cp.async prefetch (the default, kernels.defaults.FORWARD): the
     # "before" of profile_chunk --time / --train-launches
     profile += [dict(cfg(h, h, 128), intra_prefetch=False, save_states=s) for h in (16, 32) for s in (False, True)]
+    # the forward intra launch with the Neumann-series solve (the blocked solve is the default since session 22):
+    # profile_chunk --time / --accuracy / --train-launches' "neumann"
+    profile += [dict(cfg(h, h, 128), blocked_solve=False, save_states=s) for h in (4, 16, 32) for s in (False, True)]
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
                     dict(intra_fast_diag=True), dict(intra_tc=True, intra_fast_diag=True),
@@ -135,6 +138,9 @@ def preset(name: str) -> list[dict]:
     bench += [dict(cfg(32, 32, 128), block_v=64)]
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), **({"block_v": 64} if bv else {}))
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES for bv in (False, True)]
+    # the Neumann-series solve (tests/test_stages.py: the blocked solve against it)
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), blocked_solve=False, save_states=s)
+              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     # the forward intra launch without -ftz (tests/test_stages.py: intra_ftz changes only subnormal terms)
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_ftz=False, save_states=s)
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]

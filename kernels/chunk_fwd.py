@@ -20,8 +20,10 @@ the solve, and stores ``Aqk``, ``Y``, ``U``, ``QG = scale*q*exp(G)``, ``KG = k*e
   products too (all factors in 2^[-50, 50]); otherwise a = n for the off-diagonal blocks (exponents <= 0) and
   the diagonal blocks are exact fp32 sums over channels (a thread owns one column s and a group of rows,
   ``exp(min(G_r - G_s, 0))`` per element). ``exact_diag=True`` forces the second path everywhere;
-* ``(I+T)^-1``: the four diagonal 16x16 blocks by fp32 forward substitution (D), then
-  ``A = (I - N + N^2 - N^3) D`` with ``N = D T_off`` (strictly block-lower, N^4 = 0), TF32 products.
+* ``(I+T)^-1``: the four diagonal 16x16 blocks by fp32 forward substitution (D), then (``blocked_solve``, the
+  default since session 22) the 16x16 blocks below them inside each 32x32 diagonal block in fp32 and the lower
+  32x32 block as two 32^3 TF32 products; without it ``A = (I - N + N^2 - N^3) D`` with ``N = D T_off``
+  (strictly block-lower, N^4 = 0), four 64^3 TF32 products.
 
 Launch 2 ``gdn2_chunk_state_o`` (grid: sequences x V-blocks x value heads) walks the chunks of one sequence with
 the state slice ``S[K, BV]`` in fp32 registers and writes the output of every chunk (FLA's h and o kernels fused:
@@ -159,7 +161,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # ----------------------------------------------------------------------------------------------------------------
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
                 exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False, z_split=False,
-                qg_split=False, tf32_a=False, ftz=False):
+                qg_split=False, tf32_a=False, ftz=False, blocked_solve=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (87 KB for K = V = 128, 110 KB with
@@ -169,7 +171,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     its decay ranges, block-uniform); accumulate the 16x16 blocks of Aqk and T as anchored TF32 products (one
     register accumulator per row sub-chunk; the diagonal blocks included on the fast path) or, on the exact path,
     the diagonal blocks as fp32 sums (thread = block, column s, group of rows). Then: store Aqk; invert the diagonal 16x16 blocks of I + T
-    by forward substitution; ``A = (I - N + N^2 - N^3) D`` with TF32 products; ``Y = A (b k exp(G))`` and
+    by forward substitution; the rest of ``A`` blockwise (``blocked_solve``, below) or as
+    ``(I - N + N^2 - N^3) D`` with TF32 products; ``Y = A (b k exp(G))`` and
     ``U = A (w v)`` with bf16/fp16 tensor-core products.
 
     ``prefetch`` (the same arithmetic, bit-identical results): every input tile reaches shared memory by predicated
@@ -182,6 +185,13 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     (92 bytes spilled without it; ``exact_self`` with ``tf32_round`` still spills 112). Compiled without TileLang's bounds
     checks (``tl.disable_safe_memory_legalize``): every global access is masked by the kernel itself (checked on
     the generated CUDA by ``tests/test_tilelang_cpu.py::test_forward_intra_prefetch_masks_every_global_access_itself``).
+
+    ``blocked_solve``: ``(I + T)^-1`` as a blocked lower-triangular inverse instead of the Neumann series: the
+    16 x 16 diagonal blocks by forward substitution (as without it), then the two 16 x 16 blocks below them inside
+    each 32 x 32 diagonal block, ``X_(i+1,i) = -D_(i+1) (T_(i+1,i) D_i)``, as fp32 products (thread = two entries),
+    then the lower 32 x 32 block ``-X_BB (T_BA X_AA)`` as two TF32 ``T.gemm`` (32 x 32 x 32). About 8x fewer
+    multiply-adds than the four dense 64^3 products, and fp32 where the series used TF32. (With ``tf32_round`` the
+    two diagonal 32 x 32 blocks of the inverse are stored rounded to nearest TF32: they are operands.)
 
     ``ftz`` changes nothing here: the pipeline compiles the launch with ``nvcc -ftz=true`` (see ``intra_ftz`` of
     ``chunk_fwd_pipeline``); it is a parameter so that it enters the launch's key.
@@ -285,6 +295,66 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             else:
                 Tm[ib * BC + r - BC, c] = T.if_then_else(c - ib * BC < r - BC, Acc[r, c], 0.0)
 
+    @T.macro
+    def next_operand(Nf, dst):  # a product's result stored as the next product's operand (rounded: tf32_round)
+        if tf32_round:
+            for r, c in T.Parallel(C, C):
+                dst[r, c] = tfr(Nf[r, c])
+        else:
+            T.copy(Nf, dst)
+
+    @T.macro
+    def neumann_inverse(Tm, Ds, Ns, N2s, Nf, As, Akk, bb, t0, hv, valid):
+        # A = (I - N + N^2 - N^3) D with N = D L (L: T below the diagonal blocks, so N^4 = 0), four dense TF32
+        # products; D (the diagonal blocks' inverses) is in Ds
+        for r, c in T.Parallel(C, C):
+            Tm[r, c] = tfr(T.if_then_else(c // BC < r // BC, Tm[r, c], 0.0))
+        T.gemm(Ds, Tm, Nf, clear_accum=True)
+        next_operand(Nf, Ns)
+        T.gemm(Ns, Ns, Nf, clear_accum=True)
+        next_operand(Nf, N2s)
+        T.gemm(Ns, N2s, Nf, clear_accum=True)
+        for r, c in T.Parallel(C, C):
+            N2s[r, c] = tfr(T.if_then_else(r == c, 1.0, 0.0) - Ns[r, c] + N2s[r, c] - Nf[r, c])
+        T.gemm(N2s, Ds, Nf, clear_accum=True)
+        T.copy(Nf, As)
+        if save_a:  # A = (I + T)^-1 in fp32 for the backward (training forward; TF32 with tf32_a)
+            for r, c in T.Parallel(C, C):
+                if r < valid:
+                    Akk[bb, t0 + r, hv, c] = tf32_nearest(Nf[r, c]) if tf32_a else Nf[r, c]
+
+    @T.macro
+    def blocked_inverse(Tm, Ds, Mt, Ps, Pf, xl, tx):
+        # X = (I + T)^-1 in Ds, whose diagonal 16 x 16 blocks D_i are already there (zeros elsewhere).
+        # Level 1, i = 0, 2: X_(i+1,i) = -D_(i+1) (T_(i+1,i) D_i), fp32 (thread: pair p = tx // 128, row
+        # r = (tx % 128) // 8 of the block, columns tx % 8 and tx % 8 + 8)
+        for j in T.unroll(2):
+            xl[j] = 0.0
+        for kk in T.unroll(BC):
+            for j in T.unroll(2):
+                xl[j] = xl[j] + Tm[(tx // 128) * 2 * BC + BC + (tx % 128) // 8, (tx // 128) * 2 * BC + kk] * Ds[
+                    (tx // 128) * 2 * BC + kk, (tx // 128) * 2 * BC + tx % 8 + 8 * j]
+        for j in T.unroll(2):
+            Mt[tx // 128, (tx % 128) // 8, tx % 8 + 8 * j] = xl[j]
+        for j in T.unroll(2):
+            xl[j] = 0.0
+        for kk in T.unroll(BC):
+            for j in T.unroll(2):
+                xl[j] = xl[j] + Ds[(tx // 128) * 2 * BC + BC + (tx % 128) // 8, (tx // 128) * 2 * BC + BC + kk] * Mt[
+                    tx // 128, kk, tx % 8 + 8 * j]
+        for j in T.unroll(2):
+            Ds[(tx // 128) * 2 * BC + BC + (tx % 128) // 8, (tx // 128) * 2 * BC + tx % 8 + 8 * j] = tfr(-xl[j])
+        # level 2: X_BA = -X_BB (T_BA X_AA) (32 x 32 blocks; two TF32 products of 8 warps, 16 x 8 tiles each)
+        if tf32_round:
+            for r, c in T.Parallel(C // 2, C // 2):
+                Tm[C // 2 + r, c] = tfr(Tm[C // 2 + r, c])
+        T.gemm(Tm[C // 2:C, 0:C // 2], Ds[0:C // 2, 0:C // 2], Pf, clear_accum=True)
+        for r, c in T.Parallel(C // 2, C // 2):
+            Ps[r, c] = tfr(Pf[r, c])
+        T.gemm(Ds[C // 2:C, C // 2:C], Ps, Pf, clear_accum=True)
+        for r, c in T.Parallel(C // 2, C // 2):
+            Ds[C // 2 + r, c] = -Pf[r, c]
+
     @T.prim_func
     def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"],
              cu_seqlens: sig["cu_seqlens"], Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], U: sig["U"],
@@ -313,8 +383,15 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             Acc0, Acc1 = (T.alloc_fragment((2 * BC, 2 * BC), acc) for _ in range(2))
             Acc2, Acc3 = (T.alloc_fragment((2 * BC, 4 * BC), acc) for _ in range(2))
             Ebs = T.alloc_shared((C, K), dtype)
-            Qk, Tm, Ds, Ns, N2s = (T.alloc_shared((C, C), acc) for _ in range(5))
-            Nf = T.alloc_fragment((C, C), acc)
+            if blocked_solve:  # Ds holds the inverse X; Mt the level-1 partial products, Pf / Ps the 32^3 ones
+                Qk, Tm, Ds = (T.alloc_shared((C, C), acc) for _ in range(3))
+                Mt = T.alloc_shared((2, BC, BC), acc)
+                Ps = T.alloc_shared((C // 2, C // 2), acc)
+                Pf = T.alloc_fragment((C // 2, C // 2), acc)
+                xl = T.alloc_local((2,), acc)
+            else:
+                Qk, Tm, Ds, Ns, N2s = (T.alloc_shared((C, C), acc) for _ in range(5))
+                Nf = T.alloc_fragment((C, C), acc)
             As = T.alloc_shared((C, C), dtype)
             Zs = T.alloc_shared((C, V), dtype)
             if z_split and not prefetch:  # (with prefetch, w's staging tile takes the residual of w v)
@@ -503,29 +580,15 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                                 xc[i] = xc[i] - Tm[(tx // BC) * BC + i, (tx // BC) * BC + j] * xc[j]
                     for r in T.unroll(C):
                         Ds[r, tx] = tfr(T.if_then_else(r // BC == tx // BC, xc[r % BC], 0.0))
-                for r, c in T.Parallel(C, C):
-                    Tm[r, c] = tfr(T.if_then_else(c // BC < r // BC, Tm[r, c], 0.0))
-                T.gemm(Ds, Tm, Nf, clear_accum=True)
-                if tf32_round:
-                    for r, c in T.Parallel(C, C):
-                        Ns[r, c] = tfr(Nf[r, c])
+                if blocked_solve:
+                    blocked_inverse(Tm, Ds, Mt, Ps, Pf, xl, tx)
+                    T.copy(Ds, As)
+                    if save_a:
+                        for r, c in T.Parallel(C, C):
+                            if r < valid:
+                                Akk[bb, t0 + r, hv, c] = tf32_nearest(Ds[r, c]) if tf32_a else Ds[r, c]
                 else:
-                    T.copy(Nf, Ns)
-                T.gemm(Ns, Ns, Nf, clear_accum=True)
-                if tf32_round:
-                    for r, c in T.Parallel(C, C):
-                        N2s[r, c] = tfr(Nf[r, c])
-                else:
-                    T.copy(Nf, N2s)
-                T.gemm(Ns, N2s, Nf, clear_accum=True)
-                for r, c in T.Parallel(C, C):
-                    N2s[r, c] = tfr(T.if_then_else(r == c, 1.0, 0.0) - Ns[r, c] + N2s[r, c] - Nf[r, c])
-                T.gemm(N2s, Ds, Nf, clear_accum=True)
-                T.copy(Nf, As)
-                if save_a:  # A = (I + T)^-1 in fp32 for the backward (training forward; TF32 with tf32_a)
-                    for r, c in T.Parallel(C, C):
-                        if r < valid:
-                            Akk[bb, t0 + r, hv, c] = tf32_nearest(Nf[r, c]) if tf32_a else Nf[r, c]
+                    neumann_inverse(Tm, Ds, Ns, N2s, Nf, As, Akk, bb, t0, hv, valid)
 
                 # ---- WY auxiliaries ----
                 if prefetch:
@@ -694,7 +757,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        tf32_round: bool = False, aqk_split: bool = True, save_states: bool = False,
                        intra_prefetch: bool | None = None, z_split: bool | None = None,
                        qg_split: bool | None = None, tf32_states: bool | None = None,
-                       intra_ftz: bool | None = None) -> Pipeline:
+                       intra_ftz: bool | None = None, blocked_solve: bool | None = None) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -738,6 +801,11 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     2^-76 max(|x_r|, |k_s|, |x_r| |k_s|) per channel (and Y, U, o through them). Measured (session 21, H100, seven
     cases including the benchmark's accuracy inputs): o and the final state bit-identical, the largest change in
     Aqk 1.3e-26 (``docs/performance-notes.md``).
+    ``blocked_solve`` (default from ``kernels.defaults.FORWARD``): launch 1 inverts ``I + T`` blockwise (the
+    16 x 16 blocks below the diagonal of each 32 x 32 diagonal block as fp32 products, then the lower 32 x 32 block
+    as two 32^3 TF32 products) instead of the Neumann series' four dense 64^3 TF32 products (see ``_intra_prim``).
+    Changes the results by the products' roundings (CPU emulation, spec case: o 2.5420e-3 -> 2.5423e-3 vs fp64,
+    final state 1.6883e-3 -> 1.6884e-3; ``benchmarks/emulate_chunk.py``).
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -755,6 +823,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     if qg_split and not save_states:
         raise ValueError(f"{fn}: qg_split=True needs save_states=True (QGL is read by the backward only)")
     intra_ftz = _forward_default(fn, "intra_ftz", intra_ftz)
+    blocked_solve = _forward_default(fn, "blocked_solve", blocked_solve)
     if tf32_states is None:  # (a bool by construction)
         tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] in TF32_DY
     if not isinstance(tf32_states, bool):
@@ -795,7 +864,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     kw1.update({n: True for n, on in (("exact_self", exact_self), ("tf32_round", tf32_round),
                                       ("aqk_split", aqk_split), ("save_a", save_states),
                                       ("prefetch", intra_prefetch), ("z_split", z_split),
-                                      ("qg_split", qg_split), ("tf32_a", tf32_states), ("ftz", intra_ftz)) if on})
+                                      ("qg_split", qg_split), ("tf32_a", tf32_states), ("ftz", intra_ftz),
+                                      ("blocked_solve", blocked_solve)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),

@@ -20,7 +20,9 @@ __all__ = ["BACKWARD", "FORWARD"]
 #: 1.68e-3 vs fp64 (FLA rounds ``w v``). On since session 17 (GPU tests and timing: ``docs/performance-notes.md``).
 #: ``intra_ftz``: launch 1 compiled with ``nvcc -ftz=true`` (one ``MUFU.EX2`` per exp2 instead of four instructions;
 #: fp32 subnormals flushed; ``chunk_fwd_pipeline``). Session 21 (``docs/performance-notes.md``).
-FORWARD = dict(intra_prefetch=True, z_split=True, intra_ftz=True)
+#: ``blocked_solve``: launch 1 inverts I + T blockwise (fp32 16 x 16 blocks, two 32^3 TF32 products) instead of
+#: the Neumann series' four 64^3 TF32 products. Session 22 (``docs/performance-notes.md``).
+FORWARD = dict(intra_prefetch=True, z_split=True, intra_ftz=True, blocked_solve=True)
 
 #: ``split_ds``: the reverse state pass feeds dS to the KG dS product as a 16-bit value plus its rounding residual
 #: (db 3.29e-3 instead of 3.87e-3 vs fp64 on the benchmark's gradient case, seed 77; session 10, when the option

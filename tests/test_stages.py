@@ -601,6 +601,51 @@ def test_gpu_intra_ftz_changes_only_subnormal_terms(cu, B, T, H, HV, K_, V_, l2,
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
+def test_gpu_blocked_solve_vs_neumann_series(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
+    """``blocked_solve`` (the default: ``(I + T)^-1`` blockwise, fp32 16 x 16 blocks and two 32^3 TF32 products)
+    against the Neumann series' four 64^3 TF32 products, on the prefetch test's cases (packed sequences with an
+    empty one, GVA, the in-kernel L2 norm, K / V of 64 and 128, fp16, bf16 g, T = 1, the training forward's
+    ``Akk``): two runs of the blocked launch are bit-identical; every scratch buffer and output agrees with the
+    series' to within 1e-2 RMS ratio (the slice loop is shared, so Aqk, QG, KG and GAM are bit-identical); and for
+    dense inputs Y and U are no further from the fp64 xla twin (the same bf16 inputs, in float64) than the
+    series' are (at most 2% further, plus 1e-6)."""
+    import torch
+
+    from gdn2_jax import xla
+    from kernels import registry, torch_api
+
+    cfg, t = _prefetch_case(47 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
+    N = B if cu is None else len(cu) - 1
+    t["h0"] = _torch(np.random.default_rng(T + 1).standard_normal((N, HV, K_, V_)).astype(np.float32))
+    op = registry.get("chunk_gdn2")
+    assert ("blocked_solve", True) in op.pipeline(**cfg, save_states=save).launches[0].key  # (the default)
+    runs = [torch_api.run_pipeline(op.pipeline(**cfg, save_states=save, blocked_solve=bs), t, return_scratch=True)
+            for bs in (False, True, True)]
+    torch.cuda.synchronize()
+    series, blocked = runs[0], runs[1]
+    assert sorted(series) == sorted(blocked) and "Y" in blocked and ("Akk" in blocked) == save
+    per_slot = {"GAM", "h"} if cu is not None else set()  # (unused chunk slots of packed sequences: unwritten)
+    for n, a in blocked.items():
+        if n in per_slot:
+            continue
+        assert torch.equal(a, runs[2][n]), n
+        if n in ("Aqk", "AqkL", "QG", "KG", "GAM", "QGL"):
+            assert torch.equal(a, series[n]), n
+        else:
+            r = _gpu_rms(_np(a), _np(series[n]))
+            assert r <= 1e-2, (n, r)
+    if cu is None:
+        with jax.default_device(jax.devices("cpu")[0]), jax.enable_x64(True):
+            twin = xla.intra_stage(*(jnp.asarray(_np(t[n]), jnp.float64) for n in ("q", "k", "v", "g", "b", "w")),
+                                   scale=K_ ** -0.5, use_qk_l2norm_in_kernel=l2)
+            twin = {n: np.asarray(twin[n]) for n in ("Y", "U")}
+        for n in ("Y", "U"):
+            rb, rs = _gpu_rms(_np(blocked[n]), twin[n]), _gpu_rms(_np(series[n]), twin[n])
+            assert rb <= 1.02 * rs + 1e-6, (n, rb, rs)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("case", range(4))
 def test_gpu_state_block_v64_bit_identical(case, monkeypatch):
     """The state pass with V-blocks of 64 (what ``kernels.chunk_fwd.inference_options`` picks for many sequences x

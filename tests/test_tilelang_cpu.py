@@ -414,6 +414,42 @@ def test_forward_intra_ftz_flag_key_and_slice_loop_barriers():
     assert "__syncthreads_or(" in "\n".join(lines[start:end + 1])  # (the slice's path decision is in the loop)
 
 
+@needs_tilelang
+@pytest.mark.slow
+def test_forward_intra_blocked_solve_key_and_products():
+    """``blocked_solve`` (the default, ``kernels.defaults.FORWARD``) names itself in the forward intra launch's key
+    (off: absent, the series' kernels keep their key); its generated CUDA has neither the Neumann series' N / N^2
+    buffers nor as many TF32 ``mma_sync`` call sites (the four dense 64^3 products become two 32^3 ones), and keeps
+    the level-1 partial products ``Mt``. The training forward (``Akk`` from the blocked inverse) compiles too.
+    (Numbers: ``tests/test_stages.py::test_gpu_blocked_solve_vs_neumann_series`` on the GPU.)"""
+    import tilelang
+
+    from kernels import defaults
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    assert defaults.FORWARD["blocked_solve"] is True
+    on = chunk_fwd_pipeline(**kw).launches[0]
+    off = chunk_fwd_pipeline(**kw, blocked_solve=False).launches[0]
+    assert dict(on.key[2:])["blocked_solve"] is True and "blocked_solve" not in dict(off.key[2:])
+    assert _compile.cache_key(on, "sm_90a") != _compile.cache_key(off, "sm_90a")
+    with pytest.raises(ValueError, match="blocked_solve must be a bool, got 1$"):
+        chunk_fwd_pipeline(**kw, blocked_solve=1)
+
+    def source(launch):
+        return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                                pass_configs=dict(launch.pass_configs)).get_kernel_source()
+
+    tf32 = "mma_sync<tl::DataType::kTensorFloat32"
+    blocked, series = source(on), source(off)
+    assert "N2s" in series and "Ns)" in series and "Mt" not in series
+    assert "N2s" not in blocked and "Ns)" not in blocked and "Mt" in blocked
+    assert 0 < blocked.count(tf32) < series.count(tf32), (blocked.count(tf32), series.count(tf32))
+    train = source(chunk_fwd_pipeline(**kw, save_states=True).launches[0])
+    assert "Akk[" in train or "(Akk +" in train
+
+
 def test_forward_default_option_errors_name_kernels_defaults(monkeypatch):
     """A bad value in ``kernels.defaults.FORWARD`` is reported as coming from there, an explicit bad value as is."""
     from kernels import defaults
