@@ -30,7 +30,8 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "precise": {"tf32_round": True, "exact_self": True},
             "no_prefetch": {"intra_prefetch": False},  # (prefetch: the default, kernels.defaults.FORWARD)
             "noftz": {"intra_ftz": False},  # (-ftz=true: the default since session 21)
-            "neumann": {"blocked_solve": False}}  # (the blocked solve: the default since session 22)
+            "neumann": {"blocked_solve": False},
+            "bv16": {"block_v": 16}}  # (the state pass with twice the blocks of the default's at HV = 32)  # (the blocked solve: the default since session 22)
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
@@ -365,7 +366,8 @@ def main(argv=None):
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--grad-accuracy", action="store_true", help="gradient RMS vs fp64 per backward variant")
     ap.add_argument("--seeds", default=None, help="--grad-accuracy: comma-separated seeds (default 77,1,2)")
-    ap.add_argument("--shapes", default=None, help="--train: B,T,H[;B,T,H...] instead of the benchmark grid")
+    ap.add_argument("--shapes", default=None,
+                    help="--train, --time: B,T,H[;B,T,H...] instead of the benchmark grid")
     ap.add_argument("--trace", action="store_true", help="--train: device time per kernel name too")
     ap.add_argument("--train", action="store_true", help="training step: xla VJP (dense / factored intra decays) vs backward kernels")
     ap.add_argument("--train-launches", action="store_true", help="each training-forward and backward launch, timed")
@@ -389,7 +391,8 @@ def main(argv=None):
         accuracy((a.variants or "default,exact_diag,exact_self").split(","))
         return
     if a.time:
-        time_grid((a.variants or "default,exact_diag,bv64").split(","))
+        shapes = None if not a.shapes else [tuple(int(n) for n in t.split(",")) for t in a.shapes.split(";")]
+        time_grid((a.variants or "default,exact_diag,bv64").split(","), shapes)
         return
     import torch
 
