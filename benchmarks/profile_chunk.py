@@ -31,7 +31,8 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "no_prefetch": {"intra_prefetch": False},  # (prefetch: the default, kernels.defaults.FORWARD)
             "noftz": {"intra_ftz": False},  # (-ftz=true: the default since session 21)
             "neumann": {"blocked_solve": False},
-            "bv16": {"block_v": 16}}  # (the state pass with twice the blocks of the default's at HV = 32)  # (the blocked solve: the default since session 22)
+            "bv16": {"block_v": 16},
+            "fused": {"fused_slice": True}}  # (session 22: the intra launch's slice loop in one pass per row)  # (the state pass with twice the blocks of the default's at HV = 32)  # (the blocked solve: the default since session 22)
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):

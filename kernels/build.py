@@ -94,6 +94,7 @@ def preset(name: str) -> list[dict]:
     # the forward intra launch with the Neumann-series solve (the blocked solve is the default since session 22):
     # profile_chunk --time / --accuracy / --train-launches' "neumann"
     profile += [dict(cfg(h, h, 128), blocked_solve=False, save_states=s) for h in (4, 16, 32) for s in (False, True)]
+    profile += [dict(cfg(h, h, 128), fused_slice=True) for h in (4, 16, 32)]  # profile_chunk's "fused"
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
                     dict(intra_fast_diag=True), dict(intra_tc=True, intra_fast_diag=True),
@@ -138,6 +139,9 @@ def preset(name: str) -> list[dict]:
     bench += [dict(cfg(32, 32, 128), block_v=64)]
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), **({"block_v": 64} if bv else {}))
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES for bv in (False, True)]
+    # the fused slice pass of the forward intra launch (tests/test_stages.py: bit-identical to the default)
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), fused_slice=True, save_states=s)
+              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     # the Neumann-series solve (tests/test_stages.py: the blocked solve against it)
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), blocked_solve=False, save_states=s)
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]

@@ -161,7 +161,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # ----------------------------------------------------------------------------------------------------------------
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
                 exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False, z_split=False,
-                qg_split=False, tf32_a=False, ftz=False, blocked_solve=False):
+                qg_split=False, tf32_a=False, ftz=False, blocked_solve=False, fused_slice=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (87 KB for K = V = 128, 110 KB with
@@ -192,6 +192,14 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     then the lower 32 x 32 block ``-X_BB (T_BA X_AA)`` as two TF32 ``T.gemm`` (32 x 32 x 32). About 8x fewer
     multiply-adds than the four dense 64^3 products, and fp32 where the series used TF32. (With ``tf32_round`` the
     two diagonal 32 x 32 blocks of the inverse are stored rounded to nearest TF32: they are operands.)
+
+    ``fused_slice`` (needs ``prefetch`` and 256 threads; the same arithmetic, bit-identical results): the slice's
+    element-wise work in one pass over rows that each thread owns (segment ``tx // 32`` of 8 rows, channel
+    ``tx % 32``): g and b go to registers, the cumulative sum runs in registers (the segment totals exchanged
+    through shared memory, as before), and QG, KG, Ebs, the row's QE operands and its Kc operands are formed from
+    one read of each input, instead of separate passes that each re-read G, q, k and b*k from shared memory.
+    Gc is still stored (anchors, G at the chunk's last row, the exact diagonal sums), b*k only for slices that
+    take the exact path.
 
     ``ftz`` changes nothing here: the pipeline compiles the launch with ``nvcc -ftz=true`` (see ``intra_ftz`` of
     ``chunk_fwd_pipeline``); it is a parameter so that it enters the launch's key.
@@ -285,6 +293,32 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
         T.gemm(QE1, Kc1, Acc1, transpose_B=True)
         T.gemm(QE2, Kc2, Acc2, transpose_B=True)
         T.gemm(QE3, Kc3, Acc3, transpose_B=True)
+
+    @T.macro
+    def slice_arrived(qc, kc, q, k, dc, cur, bb, t0, hq, valid, tx):
+        # (prefetch) wait for slice dc's tiles, then send slice dc + 1's q and k into the other buffers
+        T.ptx_wait_group(0)
+        T.sync_threads()
+        if dc + 1 < NDC:
+            cp_rows(qc, 1 - cur, q, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
+            cp_rows(kc, 1 - cur, k, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
+            T.ptx_commit_group()
+
+    @T.macro
+    def qe_store(QE0, QE1, QE2, QE3, ib, r, d, xq, xb):
+        # row r of sub-chunk ib's QE operand: q (x scale) in row r, b*k in row BC + r (ib warp-uniform)
+        if ib == 0:
+            QE0[r, d] = xq
+            QE0[BC + r, d] = xb
+        elif ib == 1:
+            QE1[r, d] = xq
+            QE1[BC + r, d] = xb
+        elif ib == 2:
+            QE2[r, d] = xq
+            QE2[BC + r, d] = xb
+        else:
+            QE3[r, d] = xq
+            QE3[BC + r, d] = xb
 
     @T.macro
     def anchored_store(ib, Acc, Qk, Tm):
@@ -403,6 +437,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             csum, kkv, gmv = (T.alloc_var(acc) for _ in range(3))
             if exact_self:
                 sdot = T.alloc_var(acc)
+            if fused_slice:  # a thread's rows of the slice: G, b; the four anchors G_a; its sub-chunk's, G_(C-1)
+                gl, bl = (T.alloc_local((SEG,), acc) for _ in range(2))
+                anc = T.alloc_local((NB,), acc)
+                ar, glast = (T.alloc_var(acc) for _ in range(2))
             fast = T.alloc_var("int32")
             # block-uniform coordinates computed once (as expressions they were re-derived at every access)
             loc = T.alloc_local((4,), "int32")
@@ -444,87 +482,170 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     T.ptx_commit_group()
                 for dc in T.serial(NDC):
                     cur = dc % 2 if prefetch else 0
-                    if prefetch:
-                        # ---- slice dc has arrived (rows >= valid zero-filled); slice dc + 1's q, k go out ----
-                        T.ptx_wait_group(0)
-                        T.sync_threads()
-                        if dc + 1 < NDC:
-                            cp_rows(qc, 1 - cur, q, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
-                            cp_rows(kc, 1 - cur, k, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
-                            T.ptx_commit_group()
+                    if not fused_slice:
+                        if prefetch:
+                            # ---- slice dc has arrived (rows >= valid zero-filled); slice dc + 1's q, k go out ----
+                            slice_arrived(qc, kc, q, k, dc, cur, bb, t0, hq, valid, tx)
+                            for r, d in T.Parallel(C, DC):
+                                Gc[r, d] = T.cast(gS[r, d], acc) * LOG2E  # (stored before the sum, as below)
+                                if l2norm:
+                                    qc[cur, r, d] = T.cast(T.cast(qc[cur, r, d], acc) * nq[r], dtype)
+                                    kc[cur, r, d] = T.cast(T.cast(kc[cur, r, d], acc) * nk[r], dtype)
+                                bkc[r, d] = T.cast(bS[r, d], acc) * T.cast(kc[cur, r, d], acc)
+                            # every thread's reads of gS / bS above are done before the copies overwrite them
+                            # (stated here, not left to TileLang's barrier insertion)
+                            T.sync_threads()
+                            if dc + 1 < NDC:  # slice dc's g and b are consumed: slice dc + 1's go out
+                                cp_rows(gS, -1, g, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EWG)
+                                cp_rows(bS, -1, b, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EW16)
+                                T.ptx_commit_group()
+                        else:
+                            # ---- load the channel slice (rows >= valid are zero) ----
+                            for r, d in T.Parallel(C, DC):
+                                Gc[r, d] = T.if_then_else(
+                                    r < valid, T.cast(g[bb, t0 + r, hv, dc * DC + d], acc), 0.0) * LOG2E
+                                if l2norm:
+                                    qc[r, d] = T.if_then_else(
+                                        r < valid, T.cast(T.cast(q[bb, t0 + r, hq, dc * DC + d], acc) * nq[r], dtype),
+                                        T.cast(0, dtype))
+                                    kc[r, d] = T.if_then_else(
+                                        r < valid, T.cast(T.cast(k[bb, t0 + r, hq, dc * DC + d], acc) * nk[r], dtype),
+                                        T.cast(0, dtype))
+                                    bkc[r, d] = T.if_then_else(
+                                        r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(T.cast(
+                                            T.cast(k[bb, t0 + r, hq, dc * DC + d], acc) * nk[r], dtype), acc), 0.0)
+                                else:
+                                    qc[r, d] = T.if_then_else(r < valid, q[bb, t0 + r, hq, dc * DC + d], T.cast(0, dtype))
+                                    kc[r, d] = T.if_then_else(r < valid, k[bb, t0 + r, hq, dc * DC + d], T.cast(0, dtype))
+                                    bkc[r, d] = T.if_then_else(
+                                        r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(
+                                            k[bb, t0 + r, hq, dc * DC + d], acc), 0.0)
+                        # ---- cumulative sum of the slice: segment prefix, then segment offsets ----
+                        csum = 0.0
+                        for r in T.serial(SEG):
+                            csum = csum + Gc[(tx // DC) * SEG + r, tx % DC]
+                            Gc[(tx // DC) * SEG + r, tx % DC] = csum
+                        tot[tx // DC, tx % DC] = csum
+                        csum = 0.0
+                        for sg in T.serial(NSEG - 1):
+                            if sg < tx // DC:
+                                csum = csum + tot[sg, tx % DC]
+                        for r in T.serial(SEG):
+                            Gc[(tx // DC) * SEG + r, tx % DC] = Gc[(tx // DC) * SEG + r, tx % DC] + csum
+                        # ---- per-slice outputs: QG, KG, GAM, and b*k*exp(G) for Y (one exp2(G) for Ebs and QG) ----
                         for r, d in T.Parallel(C, DC):
-                            Gc[r, d] = T.cast(gS[r, d], acc) * LOG2E  # (stored before the sum, as below)
-                            if l2norm:
-                                qc[cur, r, d] = T.cast(T.cast(qc[cur, r, d], acc) * nq[r], dtype)
-                                kc[cur, r, d] = T.cast(T.cast(kc[cur, r, d], acc) * nk[r], dtype)
-                            bkc[r, d] = T.cast(bS[r, d], acc) * T.cast(kc[cur, r, d], acc)
-                        # every thread's reads of gS / bS above are done before the copies overwrite them
-                        # (stated here, not left to TileLang's barrier insertion)
-                        T.sync_threads()
-                        if dc + 1 < NDC:  # slice dc's g and b are consumed: slice dc + 1's go out
+                            eg = T.exp2(Gc[r, d])
+                            Ebs[r, dc * DC + d] = T.cast(bkc[r, d] * eg, dtype)
+                            if r < valid:
+                                QG[bb, t0 + r, hv, dc * DC + d] = T.cast(scale * T.cast(qkel(qc, cur, r, d), acc) * eg, dtype)
+                                if qg_split:  # its rounding residual (training forward, for the reverse state pass)
+                                    QGL[bb, t0 + r, hv, dc * DC + d] = rounding_residual(
+                                        scale * T.cast(qkel(qc, cur, r, d), acc) * eg, dtype)
+                                KG[bb, t0 + r, hv, dc * DC + d] = T.cast(
+                                    T.cast(qkel(kc, cur, r, d), acc) * T.exp2(Gc[C - 1, d] - Gc[r, d]), dtype)
+                        for d in T.Parallel(DC):
+                            GAM[bb, slot, hv, dc * DC + d] = T.exp2(Gc[C - 1, d])
+                        # ---- fast path for this slice: every |G_r - G_(n+8)| <= DIAG_HALF_RANGE in every sub-chunk ----
+                        csum = 0.0
+                        if tx < NB * DC:
+                            for r in T.serial(BC):
+                                csum = T.max(csum, T.abs(Gc[(tx // DC) * BC + r, tx % DC]
+                                                         - Gc[(tx // DC) * BC + 8, tx % DC]))
+                        fast = 1 - T.syncthreads_or(T.if_then_else(csum > DIAG_HALF_RANGE, 1, 0) + force_exact)
+                        if exact_self:  # q_r . k_r of the slice in fp32 (the undecayed self term; thread = row)
+                            if tx < C:
+                                for dd in T.unroll(DC):
+                                    sdot = sdot + T.cast(qkel(qc, cur, tx, dd), acc) * T.cast(
+                                        qkel(kc, cur, tx, dd), acc)
+                        # ---- anchored TF32 products: off-diagonal blocks, and the diagonal blocks when fast ----
+                        anchored(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, Acc0, Acc1, Acc2, Acc3, Gc, qc, kc, bkc, fast, cur)
+                    else:
+                        # ---- slice dc has arrived; slice dc + 1's q, k go out. Thread (segment sg = tx // DC,
+                        # channel d = tx % DC) owns rows sg * SEG + i, i < SEG, of the slice: g and b to registers ----
+                        slice_arrived(qc, kc, q, k, dc, cur, bb, t0, hq, valid, tx)
+                        for i in T.unroll(SEG):  # (g * log2(e) rounded on its own, as the default launch
+                            # stores it before its sum: __fmul_rn is never contracted into the sum's additions)
+                            gl[i] = T.call_extern(acc, "__fmul_rn", T.cast(gS[(tx // DC) * SEG + i, tx % DC], acc),
+                                                  LOG2E)
+                            bl[i] = T.cast(bS[(tx // DC) * SEG + i, tx % DC], acc)
+                        T.sync_threads()  # (the staging tiles of g and b are read: slice dc + 1's go out)
+                        if dc + 1 < NDC:
                             cp_rows(gS, -1, g, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EWG)
                             cp_rows(bS, -1, b, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EW16)
                             T.ptx_commit_group()
-                    else:
-                        # ---- load the channel slice (rows >= valid are zero) ----
-                        for r, d in T.Parallel(C, DC):
-                            Gc[r, d] = T.if_then_else(
-                                r < valid, T.cast(g[bb, t0 + r, hv, dc * DC + d], acc), 0.0) * LOG2E
+                        # ---- cumulative sum in registers: segment prefix, then the segment offsets ----
+                        csum = 0.0
+                        for i in T.unroll(SEG):
+                            csum = csum + gl[i]
+                            gl[i] = csum
+                        tot[tx // DC, tx % DC] = csum
+                        T.sync_threads()
+                        csum = 0.0
+                        for sg in T.serial(NSEG - 1):
+                            if sg < tx // DC:
+                                csum = csum + tot[sg, tx % DC]
+                        for i in T.unroll(SEG):
+                            gl[i] = gl[i] + csum
+                            Gc[(tx // DC) * SEG + i, tx % DC] = gl[i]
+                        T.sync_threads()
+                        glast = Gc[C - 1, tx % DC]
+                        if tx < DC:
+                            GAM[bb, slot, hv, dc * DC + tx] = T.exp2(glast)
+                        # ---- fast path: every |G_r - G_(n+8)| <= DIAG_HALF_RANGE in every sub-chunk ----
+                        csum = 0.0
+                        for i in T.unroll(SEG):
+                            csum = T.max(csum, T.abs(gl[i] - Gc[(tx // (2 * DC)) * BC + 8, tx % DC]))
+                        fast = 1 - T.syncthreads_or(T.if_then_else(csum > DIAG_HALF_RANGE, 1, 0) + force_exact)
+                        for ib in T.unroll(NB):  # the anchors G_a of the four sub-chunks (block-uniform choice)
+                            anc[ib] = T.if_then_else(fast != 0, Gc[ib * BC + 8, tx % DC], Gc[ib * BC, tx % DC])
+                        ar = T.if_then_else(fast != 0, Gc[(tx // (2 * DC)) * BC + 8, tx % DC],
+                                            Gc[(tx // (2 * DC)) * BC, tx % DC])  # (this thread's sub-chunk)
+                        # ---- per owned row: QG, KG, Ebs, the row's QE operands and its Kc operands ----
+                        for i in T.unroll(SEG):
                             if l2norm:
-                                qc[r, d] = T.if_then_else(
-                                    r < valid, T.cast(T.cast(q[bb, t0 + r, hq, dc * DC + d], acc) * nq[r], dtype),
-                                    T.cast(0, dtype))
-                                kc[r, d] = T.if_then_else(
-                                    r < valid, T.cast(T.cast(k[bb, t0 + r, hq, dc * DC + d], acc) * nk[r], dtype),
-                                    T.cast(0, dtype))
-                                bkc[r, d] = T.if_then_else(
-                                    r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(T.cast(
-                                        T.cast(k[bb, t0 + r, hq, dc * DC + d], acc) * nk[r], dtype), acc), 0.0)
-                            else:
-                                qc[r, d] = T.if_then_else(r < valid, q[bb, t0 + r, hq, dc * DC + d], T.cast(0, dtype))
-                                kc[r, d] = T.if_then_else(r < valid, k[bb, t0 + r, hq, dc * DC + d], T.cast(0, dtype))
-                                bkc[r, d] = T.if_then_else(
-                                    r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(
-                                        k[bb, t0 + r, hq, dc * DC + d], acc), 0.0)
-                    # ---- cumulative sum of the slice: segment prefix, then segment offsets ----
-                    csum = 0.0
-                    for r in T.serial(SEG):
-                        csum = csum + Gc[(tx // DC) * SEG + r, tx % DC]
-                        Gc[(tx // DC) * SEG + r, tx % DC] = csum
-                    tot[tx // DC, tx % DC] = csum
-                    csum = 0.0
-                    for sg in T.serial(NSEG - 1):
-                        if sg < tx // DC:
-                            csum = csum + tot[sg, tx % DC]
-                    for r in T.serial(SEG):
-                        Gc[(tx // DC) * SEG + r, tx % DC] = Gc[(tx // DC) * SEG + r, tx % DC] + csum
-                    # ---- per-slice outputs: QG, KG, GAM, and b*k*exp(G) for Y (one exp2(G) for Ebs and QG) ----
-                    for r, d in T.Parallel(C, DC):
-                        eg = T.exp2(Gc[r, d])
-                        Ebs[r, dc * DC + d] = T.cast(bkc[r, d] * eg, dtype)
-                        if r < valid:
-                            QG[bb, t0 + r, hv, dc * DC + d] = T.cast(scale * T.cast(qkel(qc, cur, r, d), acc) * eg, dtype)
-                            if qg_split:  # its rounding residual (training forward, for the reverse state pass)
-                                QGL[bb, t0 + r, hv, dc * DC + d] = rounding_residual(
-                                    scale * T.cast(qkel(qc, cur, r, d), acc) * eg, dtype)
-                            KG[bb, t0 + r, hv, dc * DC + d] = T.cast(
-                                T.cast(qkel(kc, cur, r, d), acc) * T.exp2(Gc[C - 1, d] - Gc[r, d]), dtype)
-                    for d in T.Parallel(DC):
-                        GAM[bb, slot, hv, dc * DC + d] = T.exp2(Gc[C - 1, d])
-                    # ---- fast path for this slice: every |G_r - G_(n+8)| <= DIAG_HALF_RANGE in every sub-chunk ----
-                    csum = 0.0
-                    if tx < NB * DC:
-                        for r in T.serial(BC):
-                            csum = T.max(csum, T.abs(Gc[(tx // DC) * BC + r, tx % DC]
-                                                     - Gc[(tx // DC) * BC + 8, tx % DC]))
-                    fast = 1 - T.syncthreads_or(T.if_then_else(csum > DIAG_HALF_RANGE, 1, 0) + force_exact)
-                    if exact_self:  # q_r . k_r of the slice in fp32 (the undecayed self term; thread = row)
-                        if tx < C:
-                            for dd in T.unroll(DC):
-                                sdot = sdot + T.cast(qkel(qc, cur, tx, dd), acc) * T.cast(
-                                    qkel(kc, cur, tx, dd), acc)
-                    # ---- anchored TF32 products: off-diagonal blocks, and the diagonal blocks when fast ----
-                    anchored(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, Acc0, Acc1, Acc2, Acc3, Gc, qc, kc, bkc, fast, cur)
+                                qc[cur, (tx // DC) * SEG + i, tx % DC] = T.cast(T.cast(
+                                    qc[cur, (tx // DC) * SEG + i, tx % DC], acc) * nq[(tx // DC) * SEG + i], dtype)
+                                kc[cur, (tx // DC) * SEG + i, tx % DC] = T.cast(T.cast(
+                                    kc[cur, (tx // DC) * SEG + i, tx % DC], acc) * nk[(tx // DC) * SEG + i], dtype)
+                            qf = T.cast(qc[cur, (tx // DC) * SEG + i, tx % DC], acc)
+                            kf = T.cast(kc[cur, (tx // DC) * SEG + i, tx % DC], acc)
+                            bk = bl[i] * kf
+                            if fast == 0:  # (the exact diagonal sums read b*k)
+                                bkc[(tx // DC) * SEG + i, tx % DC] = bk
+                            eg = T.exp2(gl[i])
+                            Ebs[(tx // DC) * SEG + i, dc * DC + tx % DC] = T.cast(bk * eg, dtype)
+                            if (tx // DC) * SEG + i < valid:
+                                QG[bb, t0 + (tx // DC) * SEG + i, hv, dc * DC + tx % DC] = T.cast(scale * qf * eg, dtype)
+                                if qg_split:
+                                    QGL[bb, t0 + (tx // DC) * SEG + i, hv, dc * DC + tx % DC] = rounding_residual(
+                                        scale * qf * eg, dtype)
+                                KG[bb, t0 + (tx // DC) * SEG + i, hv, dc * DC + tx % DC] = T.cast(
+                                    kf * T.exp2(glast - gl[i]), dtype)
+                            er = T.exp2(gl[i] - ar)
+                            qe_store(QE0, QE1, QE2, QE3, tx // (2 * DC), (tx // DC) % 2 * SEG + i, tx % DC,
+                                     tfr(scale * qf * er), tfr(bk * er))
+                            Kc3[(tx // DC) * SEG + i, tx % DC] = tfr(kf * T.if_then_else(
+                                (tx // DC) * SEG + i < 3 * BC, T.exp2(T.min(anc[3] - gl[i], 0.0)),
+                                T.if_then_else(fast != 0, T.exp2(anc[3] - gl[i]), 0.0)))
+                            Kc2[(tx // DC) * SEG + i, tx % DC] = tfr(kf * T.if_then_else(
+                                (tx // DC) * SEG + i < 2 * BC, T.exp2(T.min(anc[2] - gl[i], 0.0)),
+                                T.if_then_else(fast != 0, T.if_then_else(
+                                    (tx // DC) * SEG + i < 3 * BC, T.exp2(anc[2] - gl[i]), 0.0), 0.0)))
+                            if tx < 2 * BC // SEG * DC:  # (rows < 32: Kc1, Kc0)
+                                Kc1[(tx // DC) * SEG + i, tx % DC] = tfr(kf * T.if_then_else(
+                                    (tx // DC) * SEG + i < BC, T.exp2(T.min(anc[1] - gl[i], 0.0)),
+                                    T.if_then_else(fast != 0, T.exp2(anc[1] - gl[i]), 0.0)))
+                                Kc0[(tx // DC) * SEG + i, tx % DC] = tfr(T.if_then_else(fast != 0, T.if_then_else(
+                                    (tx // DC) * SEG + i < BC, kf * T.exp2(anc[0] - gl[i]), 0.0), 0.0))
+                        if exact_self:  # q_r . k_r of the slice in fp32 (the undecayed self term; thread = row)
+                            if tx < C:
+                                for dd in T.unroll(DC):
+                                    sdot = sdot + T.cast(qkel(qc, cur, tx, dd), acc) * T.cast(
+                                        qkel(kc, cur, tx, dd), acc)
+                        T.gemm(QE0, Kc0, Acc0, transpose_B=True)
+                        T.gemm(QE1, Kc1, Acc1, transpose_B=True)
+                        T.gemm(QE2, Kc2, Acc2, transpose_B=True)
+                        T.gemm(QE3, Kc3, Acc3, transpose_B=True)
                     # ---- otherwise exact diagonal blocks: thread = (block, column s, group of rows) ----
                     if fast == 0:
                         if (tx % (BC * RG)) // BC * RPG + RPG - 1 >= tx % BC:
@@ -757,7 +878,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        tf32_round: bool = False, aqk_split: bool = True, save_states: bool = False,
                        intra_prefetch: bool | None = None, z_split: bool | None = None,
                        qg_split: bool | None = None, tf32_states: bool | None = None,
-                       intra_ftz: bool | None = None, blocked_solve: bool | None = None) -> Pipeline:
+                       intra_ftz: bool | None = None, blocked_solve: bool | None = None,
+                       fused_slice: bool = False) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -806,6 +928,9 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     as two 32^3 TF32 products) instead of the Neumann series' four dense 64^3 TF32 products (see ``_intra_prim``).
     Changes the results by the products' roundings (CPU emulation, spec case: o 2.5420e-3 -> 2.5423e-3 vs fp64,
     final state 1.6883e-3 -> 1.6884e-3; ``benchmarks/emulate_chunk.py``).
+    ``fused_slice`` (experimental, off; needs ``intra_prefetch`` and ``intra_threads=256``): launch 1 does each
+    channel slice's element-wise work in one pass over thread-owned rows with G in registers (see
+    ``_intra_prim``); the same arithmetic, bit-identical results.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -824,6 +949,11 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: qg_split=True needs save_states=True (QGL is read by the backward only)")
     intra_ftz = _forward_default(fn, "intra_ftz", intra_ftz)
     blocked_solve = _forward_default(fn, "blocked_solve", blocked_solve)
+    if not isinstance(fused_slice, bool):
+        raise ValueError(f"{fn}: fused_slice must be a bool, got {fused_slice!r}")
+    if fused_slice and not (intra_prefetch and intra_threads == 256):
+        raise ValueError(f"{fn}: fused_slice=True needs intra_prefetch=True and intra_threads=256, got "
+                         f"{intra_prefetch} and {intra_threads}")
     if tf32_states is None:  # (a bool by construction)
         tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] in TF32_DY
     if not isinstance(tf32_states, bool):
@@ -865,7 +995,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                                       ("aqk_split", aqk_split), ("save_a", save_states),
                                       ("prefetch", intra_prefetch), ("z_split", z_split),
                                       ("qg_split", qg_split), ("tf32_a", tf32_states), ("ftz", intra_ftz),
-                                      ("blocked_solve", blocked_solve)) if on})
+                                      ("blocked_solve", blocked_solve), ("fused_slice", fused_slice)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),

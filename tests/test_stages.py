@@ -526,26 +526,21 @@ def _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist):
     return cfg, t
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
-def test_gpu_intra_prefetch_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
-    """Launch 1 with ``intra_prefetch`` (inputs by predicated cp.async one slice ahead, no TileLang bounds checks)
-    does the default launch's arithmetic: every scratch buffer it writes is bit-identical to the default's, on
-    identical inputs, with the same sentinel in every buffer beforehand (so unwritten elements agree too, and a
-    write past a chunk's valid rows would show), over dense and packed sequences (an empty one, one of a single
-    token, a chunk-aligned one), GVA, the in-kernel L2 norm, K / V of 64 and 128, fp16, bf16 g, T = 1 and the
-    training forward's ``Akk``; two runs of the prefetch launch are bit-identical."""
+def _assert_intra_scratch_bit_identical(cfg, t, save, option, key):
+    """Launch 1 with pipeline option ``option`` off, on, on again (its launch key names it as ``key`` when on), on
+    the torch inputs ``t``, every scratch buffer filled with the same sentinel beforehand (so unwritten elements
+    agree too, and a write past a chunk's valid rows would show): on equals off bit for bit, and the two runs
+    with it on are bit-identical; the launch wrote finite Y."""
     import torch
 
     from kernels import _compile, registry
 
-    cfg, t = _prefetch_case(41 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
     arch = _compile.device_arch(0)
     got = []
-    for pre in (False, True, True):
-        pipe = registry.get("chunk_gdn2").pipeline(**cfg, save_states=save, intra_prefetch=pre)
+    for on in (False, True, True):
+        pipe = registry.get("chunk_gdn2").pipeline(**cfg, save_states=save, **{option: on})
         la = pipe.launches[0]
-        assert la.name == "gdn2_chunk_intra" and (("prefetch", True) in la.key) == pre
+        assert la.name == "gdn2_chunk_intra" and ((key, True) in la.key) == on
         shapes = pipe.buffer_shapes({n: tuple(a.shape) for n, a in t.items()})
         dts = {b.name: b.dtype for b in pipe.scratch}
         bufs = dict(t)
@@ -560,7 +555,32 @@ def test_gpu_intra_prefetch_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2
         a, b, c = (g[n].view(torch.int16 if g[n].element_size() == 2 else torch.int32) for g in got)
         assert torch.equal(a, b), (n, int((a != b).sum()))
         assert torch.equal(b, c), n
-    assert bool(torch.isfinite(got[1]["Y"].float()).all())  # (the default wrote finite values at all)
+    assert bool(torch.isfinite(got[1]["Y"].float()).all())  # (the launch wrote finite values at all)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
+def test_gpu_intra_prefetch_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
+    """Launch 1 with ``intra_prefetch`` (inputs by predicated cp.async one slice ahead, no TileLang bounds checks)
+    does the default launch's arithmetic: every scratch buffer it writes is bit-identical to the default's, on
+    identical inputs, with the same sentinel in every buffer beforehand (so unwritten elements agree too, and a
+    write past a chunk's valid rows would show), over dense and packed sequences (an empty one, one of a single
+    token, a chunk-aligned one), GVA, the in-kernel L2 norm, K / V of 64 and 128, fp16, bf16 g, T = 1 and the
+    training forward's ``Akk``; two runs of the prefetch launch are bit-identical."""
+    cfg, t = _prefetch_case(41 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
+    _assert_intra_scratch_bit_identical(cfg, t, save, "intra_prefetch", "prefetch")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
+def test_gpu_intra_fused_slice_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
+    """Launch 1 with ``fused_slice`` (each channel slice's element-wise work in one pass over thread-owned rows, G
+    in registers) does the default launch's arithmetic: every scratch buffer it writes is bit-identical to the
+    default's on the prefetch test's cases (packed sequences with an empty and a one-token sequence, GVA, the
+    in-kernel L2 norm, K / V of 64 and 128, fp16, bf16 g, T = 1, the training forward's ``Akk``, fast and exact
+    slices), with the same sentinel in every buffer beforehand; two runs of it are bit-identical."""
+    cfg, t = _prefetch_case(53 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
+    _assert_intra_scratch_bit_identical(cfg, t, save, "fused_slice", "fused_slice")
 
 
 @pytest.mark.cuda

@@ -450,6 +450,43 @@ def test_forward_intra_blocked_solve_key_and_products():
     assert "Akk[" in train or "(Akk +" in train
 
 
+@needs_tilelang
+@pytest.mark.slow
+def test_forward_intra_fused_slice_key_errors_and_loop():
+    """``fused_slice`` (experimental, off by default) names itself in the forward intra launch's key, needs the
+    prefetch launch of 256 threads (a clear ValueError otherwise), and compiles: its channel-slice loop keeps at
+    most ten ``__syncthreads()`` and the path decision, and holds the per-row registers ``gl`` / ``bl``.
+    (Bit-identity with the default: ``tests/test_stages.py::test_gpu_intra_fused_slice_bit_identical_to_default``.)"""
+    import tilelang
+
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=True, use_qk_l2norm=True)
+    on = chunk_fwd_pipeline(**kw, fused_slice=True).launches[0]
+    off = chunk_fwd_pipeline(**kw).launches[0]
+    assert dict(on.key[2:])["fused_slice"] is True and "fused_slice" not in dict(off.key[2:])
+    with pytest.raises(ValueError, match="fused_slice must be a bool, got 1$"):
+        chunk_fwd_pipeline(**kw, fused_slice=1)
+    with pytest.raises(ValueError, match="fused_slice=True needs intra_prefetch=True and intra_threads=256"):
+        chunk_fwd_pipeline(**kw, fused_slice=True, intra_prefetch=False)
+    with pytest.raises(ValueError, match="fused_slice=True needs"):
+        chunk_fwd_pipeline(**kw, fused_slice=True, intra_threads=128)
+    src = tilelang.compile(on.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                           pass_configs=dict(on.pass_configs)).get_kernel_source()
+    lines = src.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.strip().startswith("for (int dc = 0;"))
+    depth, end = 0, None
+    for i in range(start, len(lines)):
+        depth += lines[i].count("{") - lines[i].count("}")
+        if depth == 0:
+            end = i
+            break
+    loop = "\n".join(lines[start:end + 1])
+    assert 4 <= loop.count("__syncthreads()") <= 10, loop.count("__syncthreads()")
+    assert "__syncthreads_or(" in loop and "gl[" in loop and "bl[" in loop
+
+
 def test_forward_default_option_errors_name_kernels_defaults(monkeypatch):
     """A bad value in ``kernels.defaults.FORWARD`` is reported as coming from there, an explicit bad value as is."""
     from kernels import defaults
