@@ -121,6 +121,7 @@ def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, aqk_split=Fa
         for p in range(0, C, 2 * BC):  # X_(i+1, i) = -D_(i+1) (T_(i+1, i) D_i), i = 0, 2
             rr, cc = slice(p + BC, p + 2 * BC), slice(p, p + BC)
             X[rr, cc] = -mm32(D[rr, rr], mm32(Tm[rr, cc], D[cc, cc]))
+        # (the kernel's tf32_round would also store D and the level-1 blocks rounded: not emulated here)
         H2 = C // 2  # lower half: -X_BB (T_BA X_AA), TF32 operands (the kernel's P is fp32 in shared memory)
         X[H2:, :H2] = -mm(X[H2:, H2:], mm(Tm[H2:, :H2], X[:H2, :H2]))
         A = bf16(X)
@@ -275,10 +276,10 @@ def main(argv=None):
         for name, kw in variants.items():
             o, s = forward(x, scale, **kw)
             res[name].append((rms(o, ref_o), rms(s, ref_s)))
-            print(f"seed {seed} {name:26s} o {res[name][-1][0]:.4e}  state {res[name][-1][1]:.4e}", flush=True)
+            print(f"seed {seed} {name:28s} o {res[name][-1][0]:.4e}  state {res[name][-1][1]:.4e}", flush=True)
     print("mean over seeds:")
     for name, v in res.items():
-        print(f"  {name:26s} o {np.mean([t[0] for t in v]):.4e}  state {np.mean([t[1] for t in v]):.4e}")
+        print(f"  {name:28s} o {np.mean([t[0] for t in v]):.4e}  state {np.mean([t[1] for t in v]):.4e}")
 
 
 if __name__ == "__main__":

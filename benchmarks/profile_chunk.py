@@ -130,7 +130,8 @@ GRAD_VARIANTS = {  # name -> _switches of the backward
 # training-forward variants timed by --train-launches beside the default (kernels.defaults.FORWARD: prefetch on)
 FWD_LAUNCH_VARIANTS = {"nopre:": dict(intra_prefetch=False), "z:": dict(z_split=True), "qg:": dict(qg_split=True),
                        "zqg:": dict(z_split=True, qg_split=True), "s15:": dict(z_split=False, qg_split=False),
-                       "tf32:": dict(tf32_states=True)}  # (h and Akk stored rounded: wy_tf32_round "dy" / "dy_min")
+                       "tf32:": dict(tf32_states=True),  # (h and Akk stored rounded: wy_tf32_round "dy" / "dy_min")
+                       "neumann:": dict(blocked_solve=False)}  # (the solve before session 22)
 # the backward variants that ``--train-launches`` times beside the default (tag -> chunk_bwd_pipeline options)
 BWD_LAUNCH_VARIANTS = {"v1": dict(intra_v2=False), "tc": dict(intra_tc=True), "fd": dict(intra_fast_diag=True),
                        "tcfd": dict(intra_tc=True, intra_fast_diag=True),

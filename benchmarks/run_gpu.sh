@@ -48,14 +48,20 @@ if has bgbuild; then
   step bgbuild
   rm -f /tmp/bgbuild.log
   setsid nohup bash -c "timeout ${T_BUILD:-600} python -m kernels.build --preset ${BUILD_PRESET:-all} -j ${BG_JOBS:-10}; \
-      [[ '${BUILD_BENCH:-1}' == 1 ]] && timeout ${T_BUILD:-600} python -m benchmarks.bench --precompile -j ${BG_JOBS:-10}; \
-      echo BGBUILD_DONE" > /tmp/bgbuild.log 2>&1 < /dev/null &
+      rc=\$?; if [[ '${BUILD_BENCH:-1}' == 1 ]]; then \
+      timeout ${T_BUILD:-600} python -m benchmarks.bench --precompile -j ${BG_JOBS:-10}; rc=\$((rc + \$?)); fi; \
+      echo BGBUILD_DONE rc=\$rc" > /tmp/bgbuild.log 2>&1 < /dev/null &
   echo "background build started (pid $!)" | tee -a "$LOG"
 fi
 if has bgwait; then
   step bgwait; t0=$(date +%s)
-  while ! grep -q BGBUILD_DONE /tmp/bgbuild.log 2>/dev/null && (( $(date +%s) - t0 < ${T_BGWAIT:-420} )); do sleep 5; done
-  grep "kernels for\|BGBUILD_DONE\|Error" /tmp/bgbuild.log | tee -a "$LOG"
+  if [[ ! -f /tmp/bgbuild.log ]]; then
+    echo "bgwait: no background build on this machine (/tmp/bgbuild.log missing: a fresh machine?)" | tee -a "$LOG"
+  else
+    while ! grep -q BGBUILD_DONE /tmp/bgbuild.log && (( $(date +%s) - t0 < ${T_BGWAIT:-420} )); do sleep 5; done
+    grep -q BGBUILD_DONE /tmp/bgbuild.log || echo "bgwait: still building after ${T_BGWAIT:-420} s" | tee -a "$LOG"
+    grep "kernels for\|BGBUILD_DONE\|Error" /tmp/bgbuild.log | tee -a "$LOG"
+  fi
   echo "waited $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
 fi
 if has build; then

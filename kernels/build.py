@@ -92,7 +92,7 @@ def preset(name: str) -> list[dict]:
     # "before" of profile_chunk --time / --train-launches
     profile += [dict(cfg(h, h, 128), intra_prefetch=False, save_states=s) for h in (16, 32) for s in (False, True)]
     # the forward intra launch with the Neumann-series solve (the blocked solve is the default since session 22):
-    # profile_chunk --time / --accuracy / --train-launches' "neumann"
+    # profile_chunk --time / --accuracy's "neumann", --train-launches' "neumann:" (the training forward)
     profile += [dict(cfg(h, h, 128), blocked_solve=False, save_states=s) for h in (4, 16, 32) for s in (False, True)]
     profile += [dict(cfg(h, h, 128), fused_slice=True) for h in (4, 16, 32)]  # profile_chunk's "fused"
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)

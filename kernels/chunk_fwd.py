@@ -186,12 +186,13 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     checks (``tl.disable_safe_memory_legalize``): every global access is masked by the kernel itself (checked on
     the generated CUDA by ``tests/test_tilelang_cpu.py::test_forward_intra_prefetch_masks_every_global_access_itself``).
 
-    ``blocked_solve``: ``(I + T)^-1`` as a blocked lower-triangular inverse instead of the Neumann series: the
-    16 x 16 diagonal blocks by forward substitution (as without it), then the two 16 x 16 blocks below them inside
-    each 32 x 32 diagonal block, ``X_(i+1,i) = -D_(i+1) (T_(i+1,i) D_i)``, as fp32 products (thread = two entries),
-    then the lower 32 x 32 block ``-X_BB (T_BA X_AA)`` as two TF32 ``T.gemm`` (32 x 32 x 32). About 8x fewer
-    multiply-adds than the four dense 64^3 products, and fp32 where the series used TF32. (With ``tf32_round`` the
-    two diagonal 32 x 32 blocks of the inverse are stored rounded to nearest TF32: they are operands.)
+    ``blocked_solve`` (256 threads only): ``(I + T)^-1`` as a blocked lower-triangular inverse instead of the
+    Neumann series: the 16 x 16 diagonal blocks by forward substitution (as without it), then the 16 x 16 block
+    below the diagonal inside each of the two 32 x 32 diagonal blocks, ``X_(i+1,i) = -D_(i+1) (T_(i+1,i) D_i)``,
+    as fp32 products (thread = two entries), then the lower 32 x 32 block ``-X_BB (T_BA X_AA)`` as two TF32
+    ``T.gemm`` (32 x 32 x 32): 81,920 multiply-adds instead of the four dense 64^3 products' 1,048,576 (13x
+    fewer), and fp32 where the series used TF32. (With ``tf32_round`` the two diagonal 32 x 32 blocks of the
+    inverse are stored rounded to nearest TF32: they are operands.)
 
     ``fused_slice`` (needs ``prefetch`` and 256 threads; the same arithmetic, bit-identical results): the slice's
     element-wise work in one pass over rows that each thread owns (segment ``tx // 32`` of 8 rows, channel
@@ -926,8 +927,9 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``blocked_solve`` (default from ``kernels.defaults.FORWARD``): launch 1 inverts ``I + T`` blockwise (the
     16 x 16 blocks below the diagonal of each 32 x 32 diagonal block as fp32 products, then the lower 32 x 32 block
     as two 32^3 TF32 products) instead of the Neumann series' four dense 64^3 TF32 products (see ``_intra_prim``).
-    Changes the results by the products' roundings (CPU emulation, spec case: o 2.5420e-3 -> 2.5423e-3 vs fp64,
-    final state 1.6883e-3 -> 1.6884e-3; ``benchmarks/emulate_chunk.py``).
+    Changes the results by the products' roundings (CPU emulation, spec case, seeds 0-2: o 2.5420e-3 ->
+    2.5423e-3 vs fp64, final state 1.6883e-3 -> 1.6884e-3; ``benchmarks/emulate_chunk.py --seeds 0,1,2``). The
+    default applies to the 256-thread launch; with ``intra_threads=128`` it is off (True there: ValueError).
     ``fused_slice`` (experimental, off; needs ``intra_prefetch`` and ``intra_threads=256``): launch 1 does each
     channel slice's element-wise work in one pass over thread-owned rows with G in registers (see
     ``_intra_prim``); the same arithmetic, bit-identical results.
@@ -948,7 +950,11 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     if qg_split and not save_states:
         raise ValueError(f"{fn}: qg_split=True needs save_states=True (QGL is read by the backward only)")
     intra_ftz = _forward_default(fn, "intra_ftz", intra_ftz)
+    if blocked_solve is None and intra_threads != 256:  # (its thread mapping assumes 256 threads)
+        blocked_solve = False
     blocked_solve = _forward_default(fn, "blocked_solve", blocked_solve)
+    if blocked_solve and intra_threads != 256:
+        raise ValueError(f"{fn}: blocked_solve=True needs intra_threads=256, got {intra_threads}")
     if not isinstance(fused_slice, bool):
         raise ValueError(f"{fn}: fused_slice must be a bool, got {fused_slice!r}")
     if fused_slice and not (intra_prefetch and intra_threads == 256):

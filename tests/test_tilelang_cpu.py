@@ -436,6 +436,10 @@ def test_forward_intra_blocked_solve_key_and_products():
     assert _compile.cache_key(on, "sm_90a") != _compile.cache_key(off, "sm_90a")
     with pytest.raises(ValueError, match="blocked_solve must be a bool, got 1$"):
         chunk_fwd_pipeline(**kw, blocked_solve=1)
+    # (its thread mapping assumes 256 threads: the 128-thread launch keeps the series, and asking for both fails)
+    assert "blocked_solve" not in dict(chunk_fwd_pipeline(**kw, intra_threads=128).launches[0].key[2:])
+    with pytest.raises(ValueError, match="blocked_solve=True needs intra_threads=256, got 128$"):
+        chunk_fwd_pipeline(**kw, intra_threads=128, blocked_solve=True)
 
     def source(launch):
         return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
