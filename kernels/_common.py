@@ -5,7 +5,8 @@ Part of every kernel's cache key (``kernels/_compile.py`` hashes the ``_common*.
 
 from __future__ import annotations
 
-__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "TF32_DY", "drop_params", "tf32_nearest", "tf32_operand"]
+__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "TF32_DY", "drop_params", "segment_scan_macros", "tf32_nearest",
+           "tf32_operand"]
 
 #: Chunk length of the chunked (WY) form. FLA fixes 64 for GDN-2 (4 sub-chunks of 16).
 CHUNK = 64
@@ -75,3 +76,39 @@ def tf32_nearest(x):
     # every use)
     xv, tv = tirx.Var("tf32_x", "float32"), tirx.Var("tf32_t", "float32")
     return T.Let(T.Let(tv - (tv - xv), {tv: T.fma(xv, T.float32(8192.0), xv)}), {xv: x})
+
+
+def segment_scan_macros(SEG: int, NSEG: int, DC: int):
+    """TileLang macros of the channel-slice cumulative sum over a chunk's rows, thread ``tx`` owning channel
+    ``tx % DC`` of segment ``tx // DC`` (rows ``[seg * SEG, seg * SEG + SEG)``, ``NSEG`` segments):
+
+    * ``offset(tot, csum, tx)``: ``csum`` = the sum of the totals ``tot[NSEG, DC]`` of the segments before the
+      thread's, added in segment order;
+    * ``cumsum(Gc, tot, csum, tx)``: the inclusive cumulative sum of ``Gc [NSEG * SEG, DC]`` in place: each
+      segment's prefix, its total into ``tot``, then the segments' offsets (``csum``: an ``alloc_var``).
+
+    Shared by the forward intra launch and version 1 of the backward one (the same additions in the same order).
+    """
+    import tilelang.language as T
+
+    # (``csum: T.Ref``: the caller's variable itself, which ``csum = ...`` stores to; unannotated, the macro
+    # would get its value and rebind the name)
+    @T.macro
+    def offset(tot, csum: T.Ref, tx):
+        csum = 0.0
+        for sg in T.serial(NSEG - 1):
+            if sg < tx // DC:
+                csum = csum + tot[sg, tx % DC]
+
+    @T.macro
+    def cumsum(Gc, tot, csum: T.Ref, tx):
+        csum = 0.0
+        for r in T.serial(SEG):
+            csum = csum + Gc[(tx // DC) * SEG + r, tx % DC]
+            Gc[(tx // DC) * SEG + r, tx % DC] = csum
+        tot[tx // DC, tx % DC] = csum
+        offset(tot, csum, tx)
+        for r in T.serial(SEG):
+            Gc[(tx // DC) * SEG + r, tx % DC] = Gc[(tx // DC) * SEG + r, tx % DC] + csum
+
+    return offset, cumsum

@@ -24,7 +24,8 @@ still jnp (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
 
 from . import registry
-from ._common import CHUNK, LOG2E, TF32_DY, drop_params, rounding_residual, tf32_nearest, tf32_operand
+from ._common import (CHUNK, LOG2E, TF32_DY, drop_params, rounding_residual, segment_scan_macros, tf32_nearest,
+                      tf32_operand)
 from ._pipeline import Buf, Launch, Pipeline
 from .chunk_fwd import locate_chunk, seq_span, sizes_fn
 
@@ -392,6 +393,7 @@ def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, reg_diag=False):
     NDC = K // DC
     NSEG = TH // DC
     SEG = C // NSEG
+    slice_cumsum = segment_scan_macros(SEG, NSEG, DC)[1]
     RPT = C * DC // TH  # rows per thread of the register-sum diagonal path (8: within one 16-row block)
     scale = float(scale)
     sig, (B, Tn, NT, NP1) = _local_signature(H=H, HV=HV, K=K, V=K, dtype=dtype, g_dtype=g_dtype)
@@ -467,18 +469,7 @@ def _intra_bwd_prim(*, H, HV, K, dtype, g_dtype, scale, varlen, reg_diag=False):
                         qc[r, d] = T.if_then_else(r < valid, T.cast(q[bb, t0 + r, hq, dcb * DC + d], acc), 0.0)
                         kc[r, d] = T.if_then_else(r < valid, T.cast(k[bb, t0 + r, hq, dcb * DC + d], acc), 0.0)
                         bc[r, d] = T.if_then_else(r < valid, T.cast(b[bb, t0 + r, hv, dcb * DC + d], acc), 0.0)
-                    # cumulative sum of the slice: segment prefix, then segment offsets
-                    csum = 0.0
-                    for r in T.serial(SEG):
-                        csum = csum + Gc[(tx // DC) * SEG + r, tx % DC]
-                        Gc[(tx // DC) * SEG + r, tx % DC] = csum
-                    tot[tx // DC, tx % DC] = csum
-                    csum = 0.0
-                    for sg in T.serial(NSEG - 1):
-                        if sg < tx // DC:
-                            csum = csum + tot[sg, tx % DC]
-                    for r in T.serial(SEG):
-                        Gc[(tx // DC) * SEG + r, tx % DC] = Gc[(tx // DC) * SEG + r, tx % DC] + csum
+                    slice_cumsum(Gc, tot, csum, tx)  # (segment prefix, then segment offsets)
                     # the 16 x 16 diagonal blocks, exact: rows (dq, P) and columns (CS)
                     if reg_diag:
                         # thread = (RPT rows inside one block, channel d), sums in registers; one exponent per pair:

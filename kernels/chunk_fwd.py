@@ -40,7 +40,8 @@ docs/performance-notes.md, session 4.
 """
 
 from . import defaults, registry
-from ._common import CHUNK, L2NORM_EPS, LOG2E, TF32_DY, drop_params, rounding_residual, tf32_nearest, tf32_operand
+from ._common import (CHUNK, L2NORM_EPS, LOG2E, TF32_DY, drop_params, rounding_residual, segment_scan_macros,
+                      tf32_nearest, tf32_operand)
 from ._pipeline import Buf, Launch, Pipeline
 
 __all__ = ["chunk_fwd_pipeline", "inference_options", "num_chunk_slots"]
@@ -218,6 +219,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     RPG = BC // RG
     NSEG = TH // DC
     SEG = C // NSEG
+    segment_offset, slice_cumsum = segment_scan_macros(SEG, NSEG, DC)
     PADB = 8                    # row padding of SIMT-read tiles against bank conflicts (16 bytes)
     PADF = 4
     scale = float(scale)
@@ -522,17 +524,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                                         r < valid, T.cast(b[bb, t0 + r, hv, dc * DC + d], acc) * T.cast(
                                             k[bb, t0 + r, hq, dc * DC + d], acc), 0.0)
                         # ---- cumulative sum of the slice: segment prefix, then segment offsets ----
-                        csum = 0.0
-                        for r in T.serial(SEG):
-                            csum = csum + Gc[(tx // DC) * SEG + r, tx % DC]
-                            Gc[(tx // DC) * SEG + r, tx % DC] = csum
-                        tot[tx // DC, tx % DC] = csum
-                        csum = 0.0
-                        for sg in T.serial(NSEG - 1):
-                            if sg < tx // DC:
-                                csum = csum + tot[sg, tx % DC]
-                        for r in T.serial(SEG):
-                            Gc[(tx // DC) * SEG + r, tx % DC] = Gc[(tx // DC) * SEG + r, tx % DC] + csum
+                        slice_cumsum(Gc, tot, csum, tx)
                         # ---- per-slice outputs: QG, KG, GAM, and b*k*exp(G) for Y (one exp2(G) for Ebs and QG) ----
                         for r, d in T.Parallel(C, DC):
                             eg = T.exp2(Gc[r, d])
@@ -581,10 +573,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             gl[i] = csum
                         tot[tx // DC, tx % DC] = csum
                         T.sync_threads()
-                        csum = 0.0
-                        for sg in T.serial(NSEG - 1):
-                            if sg < tx // DC:
-                                csum = csum + tot[sg, tx % DC]
+                        segment_offset(tot, csum, tx)
                         for i in T.unroll(SEG):
                             gl[i] = gl[i] + csum
                             Gc[(tx // DC) * SEG + i, tx % DC] = gl[i]
@@ -598,9 +587,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             csum = T.max(csum, T.abs(gl[i] - Gc[(tx // (2 * DC)) * BC + 8, tx % DC]))
                         fast = 1 - T.syncthreads_or(T.if_then_else(csum > DIAG_HALF_RANGE, 1, 0) + force_exact)
                         for ib in T.unroll(NB):  # the anchors G_a of the four sub-chunks (block-uniform choice)
-                            anc[ib] = T.if_then_else(fast != 0, Gc[ib * BC + 8, tx % DC], Gc[ib * BC, tx % DC])
-                        ar = T.if_then_else(fast != 0, Gc[(tx // (2 * DC)) * BC + 8, tx % DC],
-                                            Gc[(tx // (2 * DC)) * BC, tx % DC])  # (this thread's sub-chunk)
+                            anc[ib] = anchor(Gc, ib, tx % DC, fast)
+                        ar = anchor(Gc, tx // (2 * DC), tx % DC, fast)  # (this thread's sub-chunk's, in a register)
                         # ---- per owned row: QG, KG, Ebs, the row's QE operands and its Kc operands ----
                         for i in T.unroll(SEG):
                             if l2norm:
