@@ -42,15 +42,21 @@ has() { [[ "$STEPS" == *",$1,"* ]]; }
 # (it comes back in parts of 15 MB, the run machine's limit per file being 16 MiB: kcache.tgz.part-aa, -ab, ...)
 if ls .kc/kcache.tgz.part-* >/dev/null 2>&1; then mkdir -p .kcache && cat .kc/kcache.tgz.part-* | tar -xz -C .kcache
 elif [[ -f .kc/kcache.tgz ]]; then mkdir -p .kcache && tar -xzf .kc/kcache.tgz -C .kcache; fi
+# the kernels of BUILD_PRESET (default all), then the benchmark's unless BUILD_BENCH=0: $1 parallel jobs, each command
+# limited to $2 s; the exit status is the sum of the two commands'
+build_kernels() {
+  timeout "$2" python -m kernels.build --preset "${BUILD_PRESET:-all}" -j "$1"; local rc=$?
+  if [[ "${BUILD_BENCH:-1}" == 1 ]]; then timeout "$2" python -m benchmarks.bench --precompile -j "$1"; rc=$((rc + $?)); fi
+  return $rc
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader | tee -a "$LOG"
 
 if has bgbuild; then
   step bgbuild
   rm -f /tmp/bgbuild.log
-  setsid nohup bash -c "timeout ${T_BUILD:-600} python -m kernels.build --preset ${BUILD_PRESET:-all} -j ${BG_JOBS:-10}; \
-      rc=\$?; if [[ '${BUILD_BENCH:-1}' == 1 ]]; then \
-      timeout ${T_BUILD:-600} python -m benchmarks.bench --precompile -j ${BG_JOBS:-10}; rc=\$((rc + \$?)); fi; \
-      echo BGBUILD_DONE rc=\$rc" > /tmp/bgbuild.log 2>&1 < /dev/null &
+  export -f build_kernels
+  setsid nohup bash -c "build_kernels ${BG_JOBS:-10} ${T_BUILD:-600}; echo BGBUILD_DONE rc=\$?" \
+      > /tmp/bgbuild.log 2>&1 < /dev/null &
   echo "background build started (pid $!)" | tee -a "$LOG"
 fi
 if has bgwait; then
@@ -66,8 +72,7 @@ if has bgwait; then
 fi
 if has build; then
   step build
-  { timeout ${T_BUILD:-240} python -m kernels.build --preset ${BUILD_PRESET:-all} -j 15
-    [[ "${BUILD_BENCH:-1}" == 1 ]] && timeout ${T_BUILD:-240} python -m benchmarks.bench --precompile -j 15; } 2>&1 \
+  build_kernels 15 ${T_BUILD:-240} 2>&1 \
       | quiet | grep -v WARNING \
       | tee -a "$LOG" | grep "kernels for"
 fi
