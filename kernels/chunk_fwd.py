@@ -234,6 +234,17 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     def anchor(Gc, ib, d, fast):  # G_a of row sub-chunk ib: row ib*BC + 8 on a fast slice, else row ib*BC
         return T.if_then_else(fast != 0, Gc[ib * BC + 8, d], Gc[ib * BC, d])
 
+    def kc_operand(ib, rows, s, kf, Gs, a, a8, fast):
+        # row s (of ``rows``) of sub-chunk ib's Kc operand, k_s = kf and G_s = Gs: k_s 2^min(G_a - G_s, 0) for
+        # columns before the sub-chunk (a: its anchor), and on a fast slice k_s 2^(G_(n+8) - G_s) inside its
+        # diagonal block (a8: G_(n+8)); zero past it (rows of Kc0 / Kc2 beyond their blocks)
+        diag = T.exp2(a8 - Gs)
+        if (ib + 1) * BC < rows:
+            diag = T.if_then_else(s < (ib + 1) * BC, diag, 0.0)
+        if ib == 0:
+            return tfr(T.if_then_else(fast != 0, T.if_then_else(s < BC, kf * T.exp2(a8 - Gs), 0.0), 0.0))
+        return tfr(kf * T.if_then_else(s < ib * BC, T.exp2(T.min(a - Gs, 0.0)), T.if_then_else(fast != 0, diag, 0.0)))
+
     def staged(buf, slot, r, c):  # element of a staging buffer: [slot, r, c] of a two-buffer one (slot >= 0)
         return buf[r, c] if isinstance(slot, int) and slot < 0 else buf[slot, r, c]
 
@@ -279,19 +290,15 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             QE3[r, d] = tfr(scale * T.cast(qkel(qc, cur, 3 * BC + r, d), acc) * e3)
             QE3[BC + r, d] = tfr(bkc[3 * BC + r, d] * e3)
         for s_, d in T.Parallel(C, DC):
-            Kc3[s_, d] = tfr(T.cast(qkel(kc, cur, s_, d), acc) * T.if_then_else(
-                s_ < 3 * BC, T.exp2(T.min(anchor(Gc, 3, d, fast) - Gc[s_, d], 0.0)),
-                T.if_then_else(fast != 0, T.exp2(Gc[3 * BC + 8, d] - Gc[s_, d]), 0.0)))
-            Kc2[s_, d] = tfr(T.cast(qkel(kc, cur, s_, d), acc) * T.if_then_else(
-                s_ < 2 * BC, T.exp2(T.min(anchor(Gc, 2, d, fast) - Gc[s_, d], 0.0)),
-                T.if_then_else(fast != 0, T.if_then_else(s_ < 3 * BC, T.exp2(Gc[2 * BC + 8, d] - Gc[s_, d]), 0.0),
-                               0.0)))
+            Kc3[s_, d] = kc_operand(3, C, s_, T.cast(qkel(kc, cur, s_, d), acc), Gc[s_, d], anchor(Gc, 3, d, fast),
+                                    Gc[3 * BC + 8, d], fast)
+            Kc2[s_, d] = kc_operand(2, C, s_, T.cast(qkel(kc, cur, s_, d), acc), Gc[s_, d], anchor(Gc, 2, d, fast),
+                                    Gc[2 * BC + 8, d], fast)
         for s_, d in T.Parallel(2 * BC, DC):  # (rows of their own: a masked store past a tile's rows costs a barrier)
-            Kc1[s_, d] = tfr(T.cast(qkel(kc, cur, s_, d), acc) * T.if_then_else(
-                s_ < BC, T.exp2(T.min(anchor(Gc, 1, d, fast) - Gc[s_, d], 0.0)),
-                T.if_then_else(fast != 0, T.exp2(Gc[BC + 8, d] - Gc[s_, d]), 0.0)))
-            Kc0[s_, d] = tfr(T.if_then_else(fast != 0, T.if_then_else(
-                s_ < BC, T.cast(qkel(kc, cur, s_, d), acc) * T.exp2(Gc[8, d] - Gc[s_, d]), 0.0), 0.0))
+            Kc1[s_, d] = kc_operand(1, 2 * BC, s_, T.cast(qkel(kc, cur, s_, d), acc), Gc[s_, d],
+                                    anchor(Gc, 1, d, fast), Gc[BC + 8, d], fast)
+            Kc0[s_, d] = kc_operand(0, 2 * BC, s_, T.cast(qkel(kc, cur, s_, d), acc), Gc[s_, d],
+                                    anchor(Gc, 0, d, fast), Gc[8, d], fast)
         T.gemm(QE0, Kc0, Acc0, transpose_B=True)
         T.gemm(QE1, Kc1, Acc1, transpose_B=True)
         T.gemm(QE2, Kc2, Acc2, transpose_B=True)
@@ -613,19 +620,16 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             er = T.exp2(gl[i] - ar)
                             qe_store(QE0, QE1, QE2, QE3, tx // (2 * DC), (tx // DC) % 2 * SEG + i, tx % DC,
                                      tfr(scale * qf * er), tfr(bk * er))
-                            Kc3[(tx // DC) * SEG + i, tx % DC] = tfr(kf * T.if_then_else(
-                                (tx // DC) * SEG + i < 3 * BC, T.exp2(T.min(anc[3] - gl[i], 0.0)),
-                                T.if_then_else(fast != 0, T.exp2(anc[3] - gl[i]), 0.0)))
-                            Kc2[(tx // DC) * SEG + i, tx % DC] = tfr(kf * T.if_then_else(
-                                (tx // DC) * SEG + i < 2 * BC, T.exp2(T.min(anc[2] - gl[i], 0.0)),
-                                T.if_then_else(fast != 0, T.if_then_else(
-                                    (tx // DC) * SEG + i < 3 * BC, T.exp2(anc[2] - gl[i]), 0.0), 0.0)))
+                            # (anc[ib] is G_(n+8) on a fast slice, the only case that reads the diagonal term)
+                            Kc3[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                3, C, (tx // DC) * SEG + i, kf, gl[i], anc[3], anc[3], fast)
+                            Kc2[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                2, C, (tx // DC) * SEG + i, kf, gl[i], anc[2], anc[2], fast)
                             if tx < 2 * BC // SEG * DC:  # (rows < 32: Kc1, Kc0)
-                                Kc1[(tx // DC) * SEG + i, tx % DC] = tfr(kf * T.if_then_else(
-                                    (tx // DC) * SEG + i < BC, T.exp2(T.min(anc[1] - gl[i], 0.0)),
-                                    T.if_then_else(fast != 0, T.exp2(anc[1] - gl[i]), 0.0)))
-                                Kc0[(tx // DC) * SEG + i, tx % DC] = tfr(T.if_then_else(fast != 0, T.if_then_else(
-                                    (tx // DC) * SEG + i < BC, kf * T.exp2(anc[0] - gl[i]), 0.0), 0.0))
+                                Kc1[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                    1, 2 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[1], anc[1], fast)
+                                Kc0[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                    0, 2 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[0], anc[0], fast)
                         if exact_self:  # q_r . k_r of the slice in fp32 (the undecayed self term; thread = row)
                             if tx < C:
                                 for dd in T.unroll(DC):
