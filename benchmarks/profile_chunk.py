@@ -30,9 +30,10 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "precise": {"tf32_round": True, "exact_self": True},
             "no_prefetch": {"intra_prefetch": False},  # (prefetch: the default, kernels.defaults.FORWARD)
             "noftz": {"intra_ftz": False},  # (-ftz=true: the default since session 21)
-            "neumann": {"blocked_solve": False},
-            "bv16": {"block_v": 16},
-            "fused": {"fused_slice": True}}  # (session 22: the intra launch's slice loop in one pass per row)  # (the state pass with twice the blocks of the default's at HV = 32)  # (the blocked solve: the default since session 22)
+            "neumann": {"blocked_solve": False},  # (the blocked solve: the default since session 22)
+            "bv16": {"block_v": 16},  # (the state pass with twice the blocks of the default's at HV = 32)
+            "unfused": {"fused_slice": False},  # (the slice loop in one pass per row: the default since session 23)
+            "gemm_tiles": {"warp_tiles": False}}  # (the anchored products as per-warp tiles: the default, session 23)
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):

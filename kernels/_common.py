@@ -5,8 +5,8 @@ Part of every kernel's cache key (``kernels/_compile.py`` hashes the ``_common*.
 
 from __future__ import annotations
 
-__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "TF32_DY", "drop_params", "segment_scan_macros", "tf32_nearest",
-           "tf32_operand"]
+__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "TF32_DY", "drop_params", "product_residual", "rounding_residual",
+           "segment_scan_macros", "tf32_nearest", "tf32_operand"]
 
 #: Chunk length of the chunked (WY) form. FLA fixes 64 for GDN-2 (4 sub-chunks of 16).
 CHUNK = 64
@@ -40,6 +40,22 @@ def rounding_residual(x, dtype: str):
     import tilelang.language as T
 
     return T.cast(x - T.cast(T.cast(x, dtype), "float32"), dtype)
+
+
+def product_residual(a, b, dtype: str):
+    """``a b - round(a b)`` in ``dtype`` (TileLang expression, inside a kernel), where ``round(a b)`` is the fp32
+    product ``a b`` rounded to ``dtype`` and the difference is taken from the exact product by one fused
+    multiply-add, ``fma(a, b, -round(a b))``: the residual of a split product whose first part is ``round(a b)``.
+
+    Spelled out (``__fmaf_rn``) rather than left to nvcc's contraction of ``rounding_residual(a * b)``, which it
+    applies or not depending on the code around it (two launches meant to be bit-identical must not differ in
+    it): the forward intra launch without ``fused_slice`` writes QGL as ``rounding_residual(a * b)`` and nvcc
+    contracts it into this same fma (its SASS, sm_90a, nvcc 13.0: ``FFMA.FTZ R, a, b, -R``); with ``fused_slice``
+    it did not, and QGL differed in 683 of its elements (session 23, first call).
+    """
+    import tilelang.language as T
+
+    return T.cast(T.call_extern("float32", "__fmaf_rn", a, b, -T.cast(T.cast(a * b, dtype), "float32")), dtype)
 
 
 def tf32_operand(x, rounded: bool):

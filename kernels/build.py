@@ -94,7 +94,8 @@ def preset(name: str) -> list[dict]:
     # the forward intra launch with the Neumann-series solve (the blocked solve is the default since session 22):
     # profile_chunk --time / --accuracy's "neumann", --train-launches' "neumann:" (the training forward)
     profile += [dict(cfg(h, h, 128), blocked_solve=False, save_states=s) for h in (4, 16, 32) for s in (False, True)]
-    profile += [dict(cfg(h, h, 128), fused_slice=True) for h in (4, 16, 32)]  # profile_chunk's "fused"
+    profile += [dict(cfg(h, h, 128), fused_slice=False) for h in (4, 16, 32)]  # profile_chunk's "unfused"
+    profile += [dict(cfg(h, h, 128), warp_tiles=False) for h in (4, 16, 32)]  # profile_chunk's "gemm_tiles"
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
                     dict(intra_fast_diag=True), dict(intra_tc=True, intra_fast_diag=True),
@@ -139,8 +140,12 @@ def preset(name: str) -> list[dict]:
     bench += [dict(cfg(32, 32, 128), block_v=64)]
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), **({"block_v": 64} if bv else {}))
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES for bv in (False, True)]
-    # the fused slice pass of the forward intra launch (tests/test_stages.py: bit-identical to the default)
-    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), fused_slice=True, save_states=s)
+    # the forward intra launch without its fused slice pass and without per-warp tiles (tests/test_stages.py:
+    # fused_slice bit-identical to the former, warp_tiles to the latter)
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), fused_slice=False, save_states=s)
+              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
+    # the anchored products by T.gemm (tests/test_stages.py: the default's per-warp mma.sync tiles bit-identical)
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), warp_tiles=False, save_states=s)
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     # the Neumann-series solve (tests/test_stages.py: the blocked solve against it)
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), blocked_solve=False, save_states=s)

@@ -40,8 +40,8 @@ docs/performance-notes.md, session 4.
 """
 
 from . import defaults, registry
-from ._common import (CHUNK, L2NORM_EPS, LOG2E, TF32_DY, drop_params, rounding_residual, segment_scan_macros,
-                      tf32_nearest, tf32_operand)
+from ._common import (CHUNK, L2NORM_EPS, LOG2E, TF32_DY, drop_params, product_residual, rounding_residual,
+                      segment_scan_macros, tf32_nearest, tf32_operand)
 from ._pipeline import Buf, Launch, Pipeline
 
 __all__ = ["chunk_fwd_pipeline", "inference_options", "num_chunk_slots"]
@@ -162,7 +162,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # ----------------------------------------------------------------------------------------------------------------
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
                 exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False, z_split=False,
-                qg_split=False, tf32_a=False, ftz=False, blocked_solve=False, fused_slice=False):
+                qg_split=False, tf32_a=False, ftz=False, blocked_solve=False, fused_slice=False, warp_tiles=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (87 KB for K = V = 128, 110 KB with
@@ -195,13 +195,26 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     fewer), and fp32 where the series used TF32. (With ``tf32_round`` the two diagonal 32 x 32 blocks of the
     inverse are stored rounded to nearest TF32: they are operands.)
 
-    ``fused_slice`` (needs ``prefetch`` and 256 threads; the same arithmetic, bit-identical results): the slice's
-    element-wise work in one pass over rows that each thread owns (segment ``tx // 32`` of 8 rows, channel
-    ``tx % 32``): g and b go to registers, the cumulative sum runs in registers (the segment totals exchanged
+    ``fused_slice`` (the default; needs ``prefetch`` and 256 threads; the same arithmetic, bit-identical results):
+    the slice's element-wise work in one pass over rows that each thread owns (segment ``tx // 32`` of 8 rows,
+    channel ``tx % 32``): g and b go to registers, the cumulative sum runs in registers (the segment totals exchanged
     through shared memory, as before), and QG, KG, Ebs, the row's QE operands and its Kc operands are formed from
     one read of each input, instead of separate passes that each re-read G, q, k and b*k from shared memory.
     Gc is still stored (anchors, G at the chunk's last row, the exact diagonal sums), b*k only for slices that
     take the exact path.
+
+    ``warp_tiles`` (the default; needs ``fused_slice``; the same arithmetic, bit-identical results): the four
+    anchored products
+    as hand-written TF32 ``mma.sync`` (m16n8k8) tiles instead of ``T.gemm``, each warp owning whole 32-row column
+    tiles of one product (warp: sub-chunk, first column, 8-column tiles: 0: (0, 0, 2), 1: (1, 0, 4),
+    2 / 3: (2, 0 / 24, 3), 4 / 5: (3, 0 / 32, 4); warps 6 and 7 have none), so that each operand element is read
+    from shared memory once or twice per slice instead of two to four times (``T.gemm`` spreads each product over
+    all eight warps in 16 x 8 or 16 x 16 tiles), and only the columns a product needs (``T.gemm`` computes Aqk's
+    first sub-chunk 32 columns wide and the third 64). QE / Kc are plain row-major tiles padded to 36 floats a row
+    (``ldmatrix`` rows conflict-free), each Kc holding only the rows its product reads; each output element
+    sees the same m16n8k8 operations in the same order as under ``T.gemm`` (k-steps of 8 channels in order,
+    slice after slice). The accumulators are stored to Aqk / T by their owners; Aqk's tile is padded to 72 floats
+    a row (the owners' stores were 8-way bank conflicts at 64).
 
     ``ftz`` changes nothing here: the pipeline compiles the launch with ``nvcc -ftz=true`` (see ``intra_ftz`` of
     ``chunk_fwd_pipeline``); it is a parameter so that it enters the launch's key.
@@ -399,6 +412,78 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
         for r, c in T.Parallel(C // 2, C // 2):
             Ds[C // 2 + r, c] = -Pf[r, c]
 
+    # (warp_tiles) warp w < 6: (sub-chunk, first column, number of 8-column tiles) of its anchored product tile
+    WTILES = ((0, 0, 2), (1, 0, 4), (2, 0, 3), (2, 24, 3), (3, 0, 4), (3, 32, 4))
+    MMA_TF32 = ("tl::mma_sync<tl::DataType::kTensorFloat32, tl::DataType::kTensorFloat32, tl::DataType::kFloat32, "
+                "16, 8, 8, false, true>")
+
+    @T.macro
+    def warp_tile(QE, Kc, n0, nn, wacc, afr, bfr, lane):
+        # this warp's tile of QE Kc^T: rows [0, 32) (q rows, then b*k rows) x columns [n0, n0 + 8 nn), TF32 m16n8k8
+        # per k-step of 8 channels. ldmatrix of fp32 as 8 x (4 fp32) matrices: A (m16 tile mi) rows mi*16 + 0..15,
+        # registers a0..a3 = (g, t), (g+8, t), (g, t+4), (g+8, t+4); B (8-column tile j: Kc rows n0 + 8j + 0..7)
+        # registers b0, b1 = (g, t), (g, t+4), two tiles per x4 (g = lane // 4, t = lane % 4)
+        for ki in T.unroll(DC // 8):
+            for mi in T.unroll(2):
+                T.call_extern("handle", "tl::ptx_ldmatrix_x4",
+                              T.address_of(QE[mi * BC + lane % 8 + lane // 8 % 2 * 8, ki * 8 + lane // 16 * 4]),
+                              T.address_of(afr[mi * 4]))
+            for nj in T.unroll(nn // 2):
+                T.call_extern("handle", "tl::ptx_ldmatrix_x4",
+                              T.address_of(Kc[n0 + nj * 16 + lane % 8 + lane // 16 * 8, ki * 8 + lane // 8 % 2 * 4]),
+                              T.address_of(bfr[nj * 4]))
+            if nn % 2 == 1:
+                T.call_extern("handle", "tl::ptx_ldmatrix_x2",
+                              T.address_of(Kc[n0 + (nn - 1) * 8 + lane % 8, ki * 8 + lane // 8 % 2 * 4]),
+                              T.address_of(bfr[(nn - 1) * 2]))
+            for mi in T.unroll(2):
+                for nj in T.unroll(nn):
+                    T.call_extern("handle", MMA_TF32, T.address_of(wacc[(mi * nn + nj) * 4]),
+                                  T.address_of(afr[mi * 4]), T.address_of(bfr[nj * 2]))
+
+    @T.macro
+    def warp_products(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, wacc, afr, bfr, tx):
+        T.sync_threads()  # (the slice's QE / Kc are stored)
+        if tx // 32 == 0:
+            warp_tile(QE0, Kc0, WTILES[0][1], WTILES[0][2], wacc, afr, bfr, tx % 32)
+        elif tx // 32 == 1:
+            warp_tile(QE1, Kc1, WTILES[1][1], WTILES[1][2], wacc, afr, bfr, tx % 32)
+        elif tx // 32 == 2:
+            warp_tile(QE2, Kc2, WTILES[2][1], WTILES[2][2], wacc, afr, bfr, tx % 32)
+        elif tx // 32 == 3:
+            warp_tile(QE2, Kc2, WTILES[3][1], WTILES[3][2], wacc, afr, bfr, tx % 32)
+        elif tx // 32 == 4:
+            warp_tile(QE3, Kc3, WTILES[4][1], WTILES[4][2], wacc, afr, bfr, tx % 32)
+        elif tx // 32 == 5:
+            warp_tile(QE3, Kc3, WTILES[5][1], WTILES[5][2], wacc, afr, bfr, tx % 32)
+
+    @T.macro
+    def warp_store(ib, n0, nn, wacc, Qk, Tm, lane):
+        # the owner's accumulators (c0..c3 of tile (mi, j) = rows g, g, g+8, g+8 x columns 2t, 2t+1, 2t, 2t+1) into
+        # Aqk's rows (mi = 0: lower triangle of the diagonal block) and T's (mi = 1: strictly lower)
+        for nj in T.unroll(nn):
+            for e in T.unroll(4):
+                Qk[ib * BC + lane // 4 + e // 2 * 8, n0 + nj * 8 + lane % 4 * 2 + e % 2] = T.if_then_else(
+                    n0 + nj * 8 + lane % 4 * 2 + e % 2 - ib * BC <= lane // 4 + e // 2 * 8, wacc[nj * 4 + e], 0.0)
+                Tm[ib * BC + lane // 4 + e // 2 * 8, n0 + nj * 8 + lane % 4 * 2 + e % 2] = T.if_then_else(
+                    n0 + nj * 8 + lane % 4 * 2 + e % 2 - ib * BC < lane // 4 + e // 2 * 8, wacc[(nn + nj) * 4 + e],
+                    0.0)
+
+    @T.macro
+    def warp_stores(wacc, Qk, Tm, tx):
+        if tx // 32 == 0:
+            warp_store(WTILES[0][0], WTILES[0][1], WTILES[0][2], wacc, Qk, Tm, tx % 32)
+        elif tx // 32 == 1:
+            warp_store(WTILES[1][0], WTILES[1][1], WTILES[1][2], wacc, Qk, Tm, tx % 32)
+        elif tx // 32 == 2:
+            warp_store(WTILES[2][0], WTILES[2][1], WTILES[2][2], wacc, Qk, Tm, tx % 32)
+        elif tx // 32 == 3:
+            warp_store(WTILES[3][0], WTILES[3][1], WTILES[3][2], wacc, Qk, Tm, tx % 32)
+        elif tx // 32 == 4:
+            warp_store(WTILES[4][0], WTILES[4][1], WTILES[4][2], wacc, Qk, Tm, tx % 32)
+        elif tx // 32 == 5:
+            warp_store(WTILES[5][0], WTILES[5][1], WTILES[5][2], wacc, Qk, Tm, tx % 32)
+
     @T.prim_func
     def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"],
              cu_seqlens: sig["cu_seqlens"], Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], U: sig["U"],
@@ -422,13 +507,24 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             tot = T.alloc_shared((NSEG, DC), acc)
             nq, nk = (T.alloc_shared((C,), acc) for _ in range(2))
             # Kc0 rows >= 16 and Kc2 rows >= 48 are zero: 8 warps need 32- / 64-wide products
-            QE0, QE1, QE2, QE3, Kc0, Kc1 = (T.alloc_shared((2 * BC, DC), acc) for _ in range(6))
-            Kc2, Kc3 = (T.alloc_shared((4 * BC, DC), acc) for _ in range(2))
-            Acc0, Acc1 = (T.alloc_fragment((2 * BC, 2 * BC), acc) for _ in range(2))
-            Acc2, Acc3 = (T.alloc_fragment((2 * BC, 4 * BC), acc) for _ in range(2))
+            if warp_tiles:  # plain rows padded to 36 floats; Kc_i: only the (i + 1) * 16 rows its product reads
+                QE0, QE1, QE2, QE3 = (T.alloc_shared((2 * BC, DC + PADF), acc) for _ in range(4))
+                Kc0, Kc1, Kc2, Kc3 = (T.alloc_shared(((i + 1) * BC, DC + PADF), acc) for i in range(NB))
+                wacc = T.alloc_local((32,), acc)  # (this warp's tile: at most 2 x 4 m16n8 accumulators)
+                afr = T.alloc_local((8,), "uint32")
+                bfr = T.alloc_local((8,), "uint32")
+            else:
+                QE0, QE1, QE2, QE3, Kc0, Kc1 = (T.alloc_shared((2 * BC, DC), acc) for _ in range(6))
+                Kc2, Kc3 = (T.alloc_shared((4 * BC, DC), acc) for _ in range(2))
+                Acc0, Acc1 = (T.alloc_fragment((2 * BC, 2 * BC), acc) for _ in range(2))
+                Acc2, Acc3 = (T.alloc_fragment((2 * BC, 4 * BC), acc) for _ in range(2))
             Ebs = T.alloc_shared((C, K), dtype)
             if blocked_solve:  # Ds holds the inverse X; Mt the level-1 partial products, Pf / Ps the 32^3 ones
-                Qk, Tm, Ds = (T.alloc_shared((C, C), acc) for _ in range(3))
+                if warp_tiles:  # (Aqk's tile padded: see warp_store)
+                    Qk = T.alloc_shared((C, C + PADB), acc)
+                    Tm, Ds = (T.alloc_shared((C, C), acc) for _ in range(2))
+                else:
+                    Qk, Tm, Ds = (T.alloc_shared((C, C), acc) for _ in range(3))
                 Mt = T.alloc_shared((2, BC, BC), acc)
                 Ps = T.alloc_shared((C // 2, C // 2), acc)
                 Pf = T.alloc_fragment((C // 2, C // 2), acc)
@@ -477,10 +573,14 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             nk[tx - C] = T.rsqrt(csum + L2NORM_EPS)
                 if exact_self:
                     sdot = 0.0
-                T.clear(Acc0)
-                T.clear(Acc1)
-                T.clear(Acc2)
-                T.clear(Acc3)
+                if warp_tiles:
+                    for i in T.unroll(32):
+                        wacc[i] = 0.0
+                else:
+                    T.clear(Acc0)
+                    T.clear(Acc1)
+                    T.clear(Acc2)
+                    T.clear(Acc3)
                 for i in T.unroll(RPG):
                     aq[i] = 0.0
                     at[i] = 0.0
@@ -613,8 +713,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             if (tx // DC) * SEG + i < valid:
                                 QG[bb, t0 + (tx // DC) * SEG + i, hv, dc * DC + tx % DC] = T.cast(scale * qf * eg, dtype)
                                 if qg_split:
-                                    QGL[bb, t0 + (tx // DC) * SEG + i, hv, dc * DC + tx % DC] = rounding_residual(
-                                        scale * qf * eg, dtype)
+                                    QGL[bb, t0 + (tx // DC) * SEG + i, hv, dc * DC + tx % DC] = product_residual(
+                                        scale * qf, eg, dtype)
                                 KG[bb, t0 + (tx // DC) * SEG + i, hv, dc * DC + tx % DC] = T.cast(
                                     kf * T.exp2(glast - gl[i]), dtype)
                             er = T.exp2(gl[i] - ar)
@@ -623,22 +723,36 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             # (anc[ib] is G_(n+8) on a fast slice, the only case that reads the diagonal term)
                             Kc3[(tx // DC) * SEG + i, tx % DC] = kc_operand(
                                 3, C, (tx // DC) * SEG + i, kf, gl[i], anc[3], anc[3], fast)
-                            Kc2[(tx // DC) * SEG + i, tx % DC] = kc_operand(
-                                2, C, (tx // DC) * SEG + i, kf, gl[i], anc[2], anc[2], fast)
-                            if tx < 2 * BC // SEG * DC:  # (rows < 32: Kc1, Kc0)
-                                Kc1[(tx // DC) * SEG + i, tx % DC] = kc_operand(
-                                    1, 2 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[1], anc[1], fast)
-                                Kc0[(tx // DC) * SEG + i, tx % DC] = kc_operand(
-                                    0, 2 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[0], anc[0], fast)
+                            if warp_tiles:  # (Kc_i: rows < (i + 1) * 16; a warp's rows lie in one sub-chunk)
+                                if tx < 3 * BC // SEG * DC:
+                                    Kc2[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                        2, 3 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[2], anc[2], fast)
+                                if tx < 2 * BC // SEG * DC:
+                                    Kc1[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                        1, 2 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[1], anc[1], fast)
+                                if tx < BC // SEG * DC:
+                                    Kc0[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                        0, BC, (tx // DC) * SEG + i, kf, gl[i], anc[0], anc[0], fast)
+                            else:
+                                Kc2[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                    2, C, (tx // DC) * SEG + i, kf, gl[i], anc[2], anc[2], fast)
+                                if tx < 2 * BC // SEG * DC:  # (rows < 32: Kc1, Kc0)
+                                    Kc1[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                        1, 2 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[1], anc[1], fast)
+                                    Kc0[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                        0, 2 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[0], anc[0], fast)
                         if exact_self:  # q_r . k_r of the slice in fp32 (the undecayed self term; thread = row)
                             if tx < C:
                                 for dd in T.unroll(DC):
                                     sdot = sdot + T.cast(qkel(qc, cur, tx, dd), acc) * T.cast(
                                         qkel(kc, cur, tx, dd), acc)
-                        T.gemm(QE0, Kc0, Acc0, transpose_B=True)
-                        T.gemm(QE1, Kc1, Acc1, transpose_B=True)
-                        T.gemm(QE2, Kc2, Acc2, transpose_B=True)
-                        T.gemm(QE3, Kc3, Acc3, transpose_B=True)
+                        if warp_tiles:
+                            warp_products(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, wacc, afr, bfr, tx)
+                        else:
+                            T.gemm(QE0, Kc0, Acc0, transpose_B=True)
+                            T.gemm(QE1, Kc1, Acc1, transpose_B=True)
+                            T.gemm(QE2, Kc2, Acc2, transpose_B=True)
+                            T.gemm(QE3, Kc3, Acc3, transpose_B=True)
                     # ---- otherwise exact diagonal blocks: thread = (block, column s, group of rows) ----
                     if fast == 0:
                         if (tx % (BC * RG)) // BC * RPG + RPG - 1 >= tx % BC:
@@ -664,10 +778,13 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     if c // BC > r // BC:
                         Qk[r, c] = 0.0
                         Tm[r, c] = 0.0
-                anchored_store(0, Acc0, Qk, Tm)
-                anchored_store(1, Acc1, Qk, Tm)
-                anchored_store(2, Acc2, Qk, Tm)
-                anchored_store(3, Acc3, Qk, Tm)
+                if warp_tiles:
+                    warp_stores(wacc, Qk, Tm, tx)
+                else:
+                    anchored_store(0, Acc0, Qk, Tm)
+                    anchored_store(1, Acc1, Qk, Tm)
+                    anchored_store(2, Acc2, Qk, Tm)
+                    anchored_store(3, Acc3, Qk, Tm)
                 for i in T.unroll(RPG):  # exact diagonal-block sums of the slices that were not fast (else zero)
                     Qk[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, (tx // (BC * RG)) * BC + tx % BC] = \
                         Qk[(tx // (BC * RG)) * BC + (tx % (BC * RG)) // BC * RPG + i, (tx // (BC * RG)) * BC + tx % BC] \
@@ -872,7 +989,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        intra_prefetch: bool | None = None, z_split: bool | None = None,
                        qg_split: bool | None = None, tf32_states: bool | None = None,
                        intra_ftz: bool | None = None, blocked_solve: bool | None = None,
-                       fused_slice: bool = False) -> Pipeline:
+                       fused_slice: bool | None = None, warp_tiles: bool | None = None) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -922,9 +1039,12 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     Changes the results by the products' roundings (CPU emulation, spec case, seeds 0-2: o 2.5420e-3 ->
     2.5423e-3 vs fp64, final state 1.6883e-3 -> 1.6884e-3; ``benchmarks/emulate_chunk.py --seeds 0,1,2``). The
     default applies to the 256-thread launch; with ``intra_threads=128`` it is off (True there: ValueError).
-    ``fused_slice`` (experimental, off; needs ``intra_prefetch`` and ``intra_threads=256``): launch 1 does each
-    channel slice's element-wise work in one pass over thread-owned rows with G in registers (see
-    ``_intra_prim``); the same arithmetic, bit-identical results.
+    ``fused_slice`` (default from ``kernels.defaults.FORWARD`` where ``intra_prefetch`` and ``intra_threads=256``,
+    else off; True there: ValueError): launch 1 does each channel slice's element-wise work in one pass over
+    thread-owned rows with G in registers (see ``_intra_prim``); the same arithmetic, bit-identical results.
+    ``warp_tiles`` (default from ``kernels.defaults.FORWARD`` where ``fused_slice``, else off; True there:
+    ValueError): launch 1's four anchored products as hand-written TF32 ``mma.sync`` tiles, one 32-row column tile
+    per warp (see ``_intra_prim``); bit-identical results.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -947,11 +1067,18 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     blocked_solve = _forward_default(fn, "blocked_solve", blocked_solve)
     if blocked_solve and intra_threads != 256:
         raise ValueError(f"{fn}: blocked_solve=True needs intra_threads=256, got {intra_threads}")
-    if not isinstance(fused_slice, bool):
-        raise ValueError(f"{fn}: fused_slice must be a bool, got {fused_slice!r}")
+    if fused_slice is None and not (intra_prefetch and intra_threads == 256):  # (what it is written for)
+        fused_slice = False
+    fused_slice = _forward_default(fn, "fused_slice", fused_slice)
     if fused_slice and not (intra_prefetch and intra_threads == 256):
         raise ValueError(f"{fn}: fused_slice=True needs intra_prefetch=True and intra_threads=256, got "
                          f"{intra_prefetch} and {intra_threads}")
+    if warp_tiles is None and not fused_slice:  # (it needs the fused slice pass's QE / Kc stores)
+        warp_tiles = False
+    warp_tiles = _forward_default(fn, "warp_tiles", warp_tiles)
+    if warp_tiles and not fused_slice:
+        raise ValueError(f"{fn}: warp_tiles=True needs fused_slice=True (and so intra_prefetch=True and "
+                         f"intra_threads=256), got fused_slice={fused_slice}")
     if tf32_states is None:  # (a bool by construction)
         tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] in TF32_DY
     if not isinstance(tf32_states, bool):
@@ -993,7 +1120,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                                       ("aqk_split", aqk_split), ("save_a", save_states),
                                       ("prefetch", intra_prefetch), ("z_split", z_split),
                                       ("qg_split", qg_split), ("tf32_a", tf32_states), ("ftz", intra_ftz),
-                                      ("blocked_solve", blocked_solve), ("fused_slice", fused_slice)) if on})
+                                      ("blocked_solve", blocked_solve), ("fused_slice", fused_slice),
+                                      ("warp_tiles", warp_tiles)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),

@@ -22,7 +22,12 @@ __all__ = ["BACKWARD", "FORWARD"]
 #: fp32 subnormals flushed; ``chunk_fwd_pipeline``). Session 21 (``docs/performance-notes.md``).
 #: ``blocked_solve``: launch 1 inverts I + T blockwise (fp32 16 x 16 blocks, two 32^3 TF32 products) instead of
 #: the Neumann series' four 64^3 TF32 products. Session 22 (``docs/performance-notes.md``).
-FORWARD = dict(intra_prefetch=True, z_split=True, intra_ftz=True, blocked_solve=True)
+#: ``fused_slice``: launch 1 does each channel slice's element-wise work in one pass over thread-owned rows
+#: (bit-identical results). ``warp_tiles``: its four anchored products as hand-written TF32 ``mma.sync`` tiles,
+#: one 32-row column tile per warp, instead of ``T.gemm`` over all eight warps (bit-identical results). Session 23
+#: (``docs/performance-notes.md``).
+FORWARD = dict(intra_prefetch=True, z_split=True, intra_ftz=True, blocked_solve=True, fused_slice=True,
+               warp_tiles=True)
 
 #: ``split_ds``: the reverse state pass feeds dS to the KG dS product as a 16-bit value plus its rounding residual
 #: (db 3.29e-3 instead of 3.87e-3 vs fp64 on the benchmark's gradient case, seed 77; session 10, when the option

@@ -526,8 +526,9 @@ def _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist):
     return cfg, t
 
 
-def _assert_intra_scratch_bit_identical(cfg, t, save, option, key):
-    """Launch 1 with pipeline option ``option`` off, on, on again (its launch key names it as ``key`` when on), on
+def _assert_intra_scratch_bit_identical(cfg, t, save, option, key, **fixed):
+    """Launch 1 with pipeline option ``option`` off, on, on again (its launch key names it as ``key`` when on;
+    the other pipeline options ``fixed`` in all three), on
     the torch inputs ``t``, every scratch buffer filled with the same sentinel beforehand (so unwritten elements
     agree too, and a write past a chunk's valid rows would show): on equals off bit for bit, and the two runs
     with it on are bit-identical; the launch wrote finite Y."""
@@ -538,7 +539,7 @@ def _assert_intra_scratch_bit_identical(cfg, t, save, option, key):
     arch = _compile.device_arch(0)
     got = []
     for on in (False, True, True):
-        pipe = registry.get("chunk_gdn2").pipeline(**cfg, save_states=save, **{option: on})
+        pipe = registry.get("chunk_gdn2").pipeline(**cfg, save_states=save, **fixed, **{option: on})
         la = pipe.launches[0]
         assert la.name == "gdn2_chunk_intra" and ((key, True) in la.key) == on
         shapes = pipe.buffer_shapes({n: tuple(a.shape) for n, a in t.items()})
@@ -574,13 +575,27 @@ def test_gpu_intra_prefetch_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2
 @pytest.mark.cuda
 @pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
 def test_gpu_intra_fused_slice_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
-    """Launch 1 with ``fused_slice`` (each channel slice's element-wise work in one pass over thread-owned rows, G
-    in registers) does the default launch's arithmetic: every scratch buffer it writes is bit-identical to the
-    default's on the prefetch test's cases (packed sequences with an empty and a one-token sequence, GVA, the
+    """Launch 1 with ``fused_slice`` (the default: each channel slice's element-wise work in one pass over
+    thread-owned rows, G in registers) does the arithmetic of the launch without it (separate passes over shared
+    tiles; both with the anchored products by ``T.gemm``, ``warp_tiles=False``): every scratch buffer it writes
+    is bit-identical to that launch's on the prefetch test's cases (packed sequences with an empty and a one-token sequence, GVA, the
     in-kernel L2 norm, K / V of 64 and 128, fp16, bf16 g, T = 1, the training forward's ``Akk``, fast and exact
     slices), with the same sentinel in every buffer beforehand; two runs of it are bit-identical."""
     cfg, t = _prefetch_case(53 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
-    _assert_intra_scratch_bit_identical(cfg, t, save, "fused_slice", "fused_slice")
+    _assert_intra_scratch_bit_identical(cfg, t, save, "fused_slice", "fused_slice", warp_tiles=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
+def test_gpu_intra_warp_tiles_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
+    """Launch 1 with ``warp_tiles`` (the default: the four anchored products as hand-written TF32 ``mma.sync``
+    tiles, one 32-row column tile per warp) does the arithmetic of the launch without it (``T.gemm`` over all eight
+    warps): every scratch buffer it writes is bit-identical to that launch's on the prefetch test's cases (packed
+    sequences with an empty and a one-token sequence, GVA, the in-kernel L2 norm, K / V of 64 and 128, fp16,
+    bf16 g, T = 1, the training forward's ``Akk``, fast and exact slices), with the same sentinel in every buffer
+    beforehand; two runs of it are bit-identical."""
+    cfg, t = _prefetch_case(67 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
+    _assert_intra_scratch_bit_identical(cfg, t, save, "warp_tiles", "warp_tiles")
 
 
 @pytest.mark.cuda

@@ -457,19 +457,25 @@ def test_forward_intra_blocked_solve_key_and_products():
 @needs_tilelang
 @pytest.mark.slow
 def test_forward_intra_fused_slice_key_errors_and_loop():
-    """``fused_slice`` (experimental, off by default) names itself in the forward intra launch's key, needs the
-    prefetch launch of 256 threads (a clear ValueError otherwise), and compiles: its channel-slice loop keeps at
-    most ten ``__syncthreads()`` and the path decision, and holds the per-row registers ``gl`` / ``bl``.
-    (Bit-identity with the default: ``tests/test_stages.py::test_gpu_intra_fused_slice_bit_identical_to_default``.)"""
+    """``fused_slice`` (the default since session 23, ``kernels.defaults.FORWARD``) names itself in the forward
+    intra launch's key, needs the prefetch launch of 256 threads (the launches without prefetch or with 128 threads
+    keep the separate passes; asking for it there is a clear ValueError), and compiles: its channel-slice loop
+    keeps at most ten ``__syncthreads()`` and the path decision, holds the per-row registers ``gl`` / ``bl``, and
+    takes QGL's residual by an explicit fma (``_common.product_residual``).
+    (Bit-identity with the launch without it: ``tests/test_stages.py::test_gpu_intra_fused_slice_bit_identical_to_default``.)"""
     import tilelang
 
+    from kernels import defaults
     from kernels.chunk_fwd import chunk_fwd_pipeline
 
     kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
               use_initial_state=True, output_final_state=True, varlen=True, use_qk_l2norm=True)
-    on = chunk_fwd_pipeline(**kw, fused_slice=True).launches[0]
-    off = chunk_fwd_pipeline(**kw).launches[0]
+    assert defaults.FORWARD["fused_slice"] is True
+    on = chunk_fwd_pipeline(**kw, save_states=True).launches[0]
+    off = chunk_fwd_pipeline(**kw, fused_slice=False).launches[0]
     assert dict(on.key[2:])["fused_slice"] is True and "fused_slice" not in dict(off.key[2:])
+    for other in (dict(intra_prefetch=False), dict(intra_threads=128)):
+        assert "fused_slice" not in dict(chunk_fwd_pipeline(**kw, **other).launches[0].key[2:])
     with pytest.raises(ValueError, match="fused_slice must be a bool, got 1$"):
         chunk_fwd_pipeline(**kw, fused_slice=1)
     with pytest.raises(ValueError, match="fused_slice=True needs intra_prefetch=True and intra_threads=256"):
@@ -489,6 +495,57 @@ def test_forward_intra_fused_slice_key_errors_and_loop():
     loop = "\n".join(lines[start:end + 1])
     assert 4 <= loop.count("__syncthreads()") <= 10, loop.count("__syncthreads()")
     assert "__syncthreads_or(" in loop and "gl[" in loop and "bl[" in loop
+    assert "QGL[" in loop and "__fmaf_rn(" in loop
+
+
+@needs_tilelang
+@pytest.mark.slow
+def test_forward_intra_warp_tiles_key_errors_and_tiles(tmp_path):
+    """``warp_tiles`` (the default since session 23, ``kernels.defaults.FORWARD``) names itself in the forward
+    intra launch's key, needs ``fused_slice`` (off without it; asking for it there is a clear ValueError), and
+    compiles to hand-written tiles: no ``T.gemm`` of the anchored products
+    is left (the only TF32 ``mma_sync`` call sites outside the per-warp tiles are the blocked solve's two), each
+    warp role loads its operands with ``ldmatrix`` from the padded QE / Kc tiles, and the per-warp accumulators
+    stay in registers (ptxas: no stack frame, no spills; checked where nvcc is installed).
+    (Bit-identity with the default: ``tests/test_stages.py::test_gpu_intra_warp_tiles_bit_identical_to_default``.)"""
+    import os
+    import shutil
+    import subprocess
+
+    import tilelang
+
+    from kernels import defaults
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    kw = dict(H=32, HV=32, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=False, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    assert defaults.FORWARD["warp_tiles"] is True
+    on = chunk_fwd_pipeline(**kw).launches[0]
+    off = chunk_fwd_pipeline(**kw, warp_tiles=False).launches[0]
+    assert dict(on.key[2:])["warp_tiles"] is True and "warp_tiles" not in dict(off.key[2:])
+    assert "warp_tiles" not in dict(chunk_fwd_pipeline(**kw, fused_slice=False).launches[0].key[2:])
+    with pytest.raises(ValueError, match="warp_tiles must be a bool, got 1$"):
+        chunk_fwd_pipeline(**kw, warp_tiles=1)
+    with pytest.raises(ValueError, match="warp_tiles=True needs fused_slice=True"):
+        chunk_fwd_pipeline(**kw, warp_tiles=True, fused_slice=False)
+    with pytest.raises(ValueError, match="warp_tiles=True needs fused_slice=True"):
+        chunk_fwd_pipeline(**kw, warp_tiles=True, intra_prefetch=False)
+    src = tilelang.compile(on.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                           pass_configs=dict(on.pass_configs)).get_kernel_source()
+    assert "wacc[" in src and "Acc0" not in src and "Acc3" not in src
+    for qe in ("QE0", "QE1", "QE2", "QE3"):
+        assert f"tl::ptx_ldmatrix_x4((&(((float*){qe})[" in src, qe
+    assert "tl::ptx_ldmatrix_x2((&(((float*)Kc2)[" in src  # (the third sub-chunk's 3-tile halves)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        root = os.path.dirname(tilelang.__file__)
+        cu = tmp_path / "warp_tiles.cu"
+        cu.write_text(src)
+        out = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-std=c++20", "-ftz=true", "-DENABLE_BF16",
+                              f"-I{root}/src", f"-I{root}/3rdparty/cutlass/include", "--ptxas-options=-v",
+                              "-o", str(tmp_path / "warp_tiles.cubin"), str(cu)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in out.stderr, out.stderr[-800:]
 
 
 def test_forward_default_option_errors_name_kernels_defaults(monkeypatch):
