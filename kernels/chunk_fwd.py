@@ -211,7 +211,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     from shared memory once or twice per slice instead of two to four times (``T.gemm`` spreads each product over
     all eight warps in 16 x 8 or 16 x 16 tiles), and only the columns a product needs (``T.gemm`` computes Aqk's
     first sub-chunk 32 columns wide and the third 64). QE / Kc are plain row-major tiles padded to 36 floats a row
-    (``ldmatrix`` rows conflict-free), each Kc holding only the rows its product reads; each output element
+    (``ldmatrix`` rows conflict-free; QE of sub-chunk i in ``QEa[i]``, Kc_i in rows ``KOFF[i]`` onwards of ``Kca``),
+    each Kc holding only the rows its product reads; the per-row pass stores a row's QE into its sub-chunk's tile
+    by index, and each Kc_i after the row loop under one warp-uniform branch (the rows' sub-chunk ``tx // 64``
+    before i or equal to it), not one comparison and branch per row and sub-chunk. Each output element
     sees the same m16n8k8 operations in the same order as under ``T.gemm`` (k-steps of 8 channels in order,
     slice after slice). The accumulators are stored to Aqk / T by their owners; Aqk's tile is padded to 72 floats
     a row (the owners' stores were 8-way bank conflicts at 64).
@@ -417,8 +420,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     MMA_TF32 = ("tl::mma_sync<tl::DataType::kTensorFloat32, tl::DataType::kTensorFloat32, tl::DataType::kFloat32, "
                 "16, 8, 8, false, true>")
 
+    KOFF = [BC * i * (i + 1) // 2 for i in range(NB + 1)]  # (warp_tiles) first row of Kc_i in Kca
+
     @T.macro
-    def warp_tile(QE, Kc, n0, nn, wacc, afr, bfr, lane):
+    def warp_tile(QEa, Kca, ib, n0, nn, wacc, afr, bfr, lane):
         # this warp's tile of QE Kc^T: rows [0, 32) (q rows, then b*k rows) x columns [n0, n0 + 8 nn), TF32 m16n8k8
         # per k-step of 8 channels. ldmatrix of fp32 as 8 x (4 fp32) matrices: A (m16 tile mi) rows mi*16 + 0..15,
         # registers a0..a3 = (g, t), (g+8, t), (g, t+4), (g+8, t+4); B (8-column tile j: Kc rows n0 + 8j + 0..7)
@@ -426,15 +431,16 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
         for ki in T.unroll(DC // 8):
             for mi in T.unroll(2):
                 T.call_extern("handle", "tl::ptx_ldmatrix_x4",
-                              T.address_of(QE[mi * BC + lane % 8 + lane // 8 % 2 * 8, ki * 8 + lane // 16 * 4]),
+                              T.address_of(QEa[ib, mi * BC + lane % 8 + lane // 8 % 2 * 8, ki * 8 + lane // 16 * 4]),
                               T.address_of(afr[mi * 4]))
             for nj in T.unroll(nn // 2):
                 T.call_extern("handle", "tl::ptx_ldmatrix_x4",
-                              T.address_of(Kc[n0 + nj * 16 + lane % 8 + lane // 16 * 8, ki * 8 + lane // 8 % 2 * 4]),
+                              T.address_of(Kca[KOFF[ib] + n0 + nj * 16 + lane % 8 + lane // 16 * 8,
+                                               ki * 8 + lane // 8 % 2 * 4]),
                               T.address_of(bfr[nj * 4]))
             if nn % 2 == 1:
                 T.call_extern("handle", "tl::ptx_ldmatrix_x2",
-                              T.address_of(Kc[n0 + (nn - 1) * 8 + lane % 8, ki * 8 + lane // 8 % 2 * 4]),
+                              T.address_of(Kca[KOFF[ib] + n0 + (nn - 1) * 8 + lane % 8, ki * 8 + lane // 8 % 2 * 4]),
                               T.address_of(bfr[(nn - 1) * 2]))
             for mi in T.unroll(2):
                 for nj in T.unroll(nn):
@@ -442,20 +448,33 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                                   T.address_of(afr[mi * 4]), T.address_of(bfr[nj * 2]))
 
     @T.macro
-    def warp_products(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, wacc, afr, bfr, tx):
+    def warp_products(QEa, Kca, wacc, afr, bfr, tx):
         T.sync_threads()  # (the slice's QE / Kc are stored)
         if tx // 32 == 0:
-            warp_tile(QE0, Kc0, WTILES[0][1], WTILES[0][2], wacc, afr, bfr, tx % 32)
+            warp_tile(QEa, Kca, WTILES[0][0], WTILES[0][1], WTILES[0][2], wacc, afr, bfr, tx % 32)
         elif tx // 32 == 1:
-            warp_tile(QE1, Kc1, WTILES[1][1], WTILES[1][2], wacc, afr, bfr, tx % 32)
+            warp_tile(QEa, Kca, WTILES[1][0], WTILES[1][1], WTILES[1][2], wacc, afr, bfr, tx % 32)
         elif tx // 32 == 2:
-            warp_tile(QE2, Kc2, WTILES[2][1], WTILES[2][2], wacc, afr, bfr, tx % 32)
+            warp_tile(QEa, Kca, WTILES[2][0], WTILES[2][1], WTILES[2][2], wacc, afr, bfr, tx % 32)
         elif tx // 32 == 3:
-            warp_tile(QE2, Kc2, WTILES[3][1], WTILES[3][2], wacc, afr, bfr, tx % 32)
+            warp_tile(QEa, Kca, WTILES[3][0], WTILES[3][1], WTILES[3][2], wacc, afr, bfr, tx % 32)
         elif tx // 32 == 4:
-            warp_tile(QE3, Kc3, WTILES[4][1], WTILES[4][2], wacc, afr, bfr, tx % 32)
+            warp_tile(QEa, Kca, WTILES[4][0], WTILES[4][1], WTILES[4][2], wacc, afr, bfr, tx % 32)
         elif tx // 32 == 5:
-            warp_tile(QE3, Kc3, WTILES[5][1], WTILES[5][2], wacc, afr, bfr, tx % 32)
+            warp_tile(QEa, Kca, WTILES[5][0], WTILES[5][1], WTILES[5][2], wacc, afr, bfr, tx % 32)
+
+    @T.macro
+    def kc_rows(Kca, ib, kl, gl, a, fast, tx):
+        # (warp_tiles) this thread's rows (tx // 32) * 8 + i of sub-chunk ib's Kc operand, k_s = kl[i], G_s = gl[i],
+        # a = the sub-chunk's anchor: kc_operand's values, with the row's place known per warp (its sub-chunk
+        # tx // 64 is before ib, or ib itself) instead of compared row by row
+        for i in T.unroll(SEG):
+            if ib == 0:  # (rows < 16 only: the diagonal block)
+                Kca[(tx // DC) * SEG + i, tx % DC] = tfr(T.if_then_else(fast != 0, kl[i] * T.exp2(a - gl[i]), 0.0))
+            else:
+                Kca[KOFF[ib] + (tx // DC) * SEG + i, tx % DC] = tfr(kl[i] * T.if_then_else(
+                    tx // (2 * DC) < ib or fast != 0,
+                    T.exp2(T.if_then_else(tx // (2 * DC) < ib, T.min(a - gl[i], 0.0), a - gl[i])), 0.0))
 
     @T.macro
     def warp_store(ib, n0, nn, wacc, Qk, Tm, lane):
@@ -507,12 +526,14 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
             tot = T.alloc_shared((NSEG, DC), acc)
             nq, nk = (T.alloc_shared((C,), acc) for _ in range(2))
             # Kc0 rows >= 16 and Kc2 rows >= 48 are zero: 8 warps need 32- / 64-wide products
-            if warp_tiles:  # plain rows padded to 36 floats; Kc_i: only the (i + 1) * 16 rows its product reads
-                QE0, QE1, QE2, QE3 = (T.alloc_shared((2 * BC, DC + PADF), acc) for _ in range(4))
-                Kc0, Kc1, Kc2, Kc3 = (T.alloc_shared(((i + 1) * BC, DC + PADF), acc) for i in range(NB))
+            if warp_tiles:  # plain rows padded to 36 floats: QE of sub-chunk i in QEa[i]; Kc_i in rows
+                # [KOFF[i], KOFF[i] + (i + 1) * 16) of Kca (only the rows its product reads)
+                QEa = T.alloc_shared((NB, 2 * BC, DC + PADF), acc)
+                Kca = T.alloc_shared((KOFF[NB], DC + PADF), acc)
                 wacc = T.alloc_local((32,), acc)  # (this warp's tile: at most 2 x 4 m16n8 accumulators)
                 afr = T.alloc_local((8,), "uint32")
                 bfr = T.alloc_local((8,), "uint32")
+                kl = T.alloc_local((SEG,), acc)  # (the thread's k of its rows, for the Kc stores)
             else:
                 QE0, QE1, QE2, QE3, Kc0, Kc1 = (T.alloc_shared((2 * BC, DC), acc) for _ in range(6))
                 Kc2, Kc3 = (T.alloc_shared((4 * BC, DC), acc) for _ in range(2))
@@ -718,22 +739,17 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                                 KG[bb, t0 + (tx // DC) * SEG + i, hv, dc * DC + tx % DC] = T.cast(
                                     kf * T.exp2(glast - gl[i]), dtype)
                             er = T.exp2(gl[i] - ar)
-                            qe_store(QE0, QE1, QE2, QE3, tx // (2 * DC), (tx // DC) % 2 * SEG + i, tx % DC,
-                                     tfr(scale * qf * er), tfr(bk * er))
-                            # (anc[ib] is G_(n+8) on a fast slice, the only case that reads the diagonal term)
-                            Kc3[(tx // DC) * SEG + i, tx % DC] = kc_operand(
-                                3, C, (tx // DC) * SEG + i, kf, gl[i], anc[3], anc[3], fast)
-                            if warp_tiles:  # (Kc_i: rows < (i + 1) * 16; a warp's rows lie in one sub-chunk)
-                                if tx < 3 * BC // SEG * DC:
-                                    Kc2[(tx // DC) * SEG + i, tx % DC] = kc_operand(
-                                        2, 3 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[2], anc[2], fast)
-                                if tx < 2 * BC // SEG * DC:
-                                    Kc1[(tx // DC) * SEG + i, tx % DC] = kc_operand(
-                                        1, 2 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[1], anc[1], fast)
-                                if tx < BC // SEG * DC:
-                                    Kc0[(tx // DC) * SEG + i, tx % DC] = kc_operand(
-                                        0, BC, (tx // DC) * SEG + i, kf, gl[i], anc[0], anc[0], fast)
+                            if warp_tiles:  # (the row's sub-chunk tx // 64 indexes QEa)
+                                kl[i] = kf
+                                QEa[tx // (2 * DC), (tx // DC) % 2 * SEG + i, tx % DC] = tfr(scale * qf * er)
+                                QEa[tx // (2 * DC), BC + (tx // DC) % 2 * SEG + i, tx % DC] = tfr(bk * er)
                             else:
+                                qe_store(QE0, QE1, QE2, QE3, tx // (2 * DC), (tx // DC) % 2 * SEG + i, tx % DC,
+                                         tfr(scale * qf * er), tfr(bk * er))
+                            # (anc[ib] is G_(n+8) on a fast slice, the only case that reads the diagonal term)
+                            if not warp_tiles:
+                                Kc3[(tx // DC) * SEG + i, tx % DC] = kc_operand(
+                                    3, C, (tx // DC) * SEG + i, kf, gl[i], anc[3], anc[3], fast)
                                 Kc2[(tx // DC) * SEG + i, tx % DC] = kc_operand(
                                     2, C, (tx // DC) * SEG + i, kf, gl[i], anc[2], anc[2], fast)
                                 if tx < 2 * BC // SEG * DC:  # (rows < 32: Kc1, Kc0)
@@ -741,13 +757,21 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                                         1, 2 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[1], anc[1], fast)
                                     Kc0[(tx // DC) * SEG + i, tx % DC] = kc_operand(
                                         0, 2 * BC, (tx // DC) * SEG + i, kf, gl[i], anc[0], anc[0], fast)
+                        if warp_tiles:  # (Kc_ib's rows < (ib + 1) * 16: one warp-uniform branch per sub-chunk)
+                            kc_rows(Kca, 3, kl, gl, anc[3], fast, tx)
+                            if tx < 3 * BC // SEG * DC:
+                                kc_rows(Kca, 2, kl, gl, anc[2], fast, tx)
+                            if tx < 2 * BC // SEG * DC:
+                                kc_rows(Kca, 1, kl, gl, anc[1], fast, tx)
+                            if tx < BC // SEG * DC:
+                                kc_rows(Kca, 0, kl, gl, anc[0], fast, tx)
                         if exact_self:  # q_r . k_r of the slice in fp32 (the undecayed self term; thread = row)
                             if tx < C:
                                 for dd in T.unroll(DC):
                                     sdot = sdot + T.cast(qkel(qc, cur, tx, dd), acc) * T.cast(
                                         qkel(kc, cur, tx, dd), acc)
                         if warp_tiles:
-                            warp_products(QE0, QE1, QE2, QE3, Kc0, Kc1, Kc2, Kc3, wacc, afr, bfr, tx)
+                            warp_products(QEa, Kca, wacc, afr, bfr, tx)
                         else:
                             T.gemm(QE0, Kc0, Acc0, transpose_B=True)
                             T.gemm(QE1, Kc1, Acc1, transpose_B=True)
