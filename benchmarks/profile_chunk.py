@@ -13,7 +13,10 @@ variant on the prefill grid, and FLA 0.6.0's ``chunk_gdn2`` in the same process;
 (``PROFILE {...}``). Variants (:data:`VARIANTS`; all but ``v5`` keep Aqk's bf16 residual, the default since session
 5): ``default``; ``exact_diag`` (every diagonal block of the intra kernel summed exactly in fp32, the pre-v5
 arithmetic); ``bv64`` (state kernel with V-blocks of 64); ``exact_self`` (the diagonal of Aqk in fp32);
-``tf32_round`` (TF32 operands rounded to nearest); ``precise`` (those two together); ``v5`` (Aqk as plain bf16).
+``tf32_round`` (TF32 operands rounded to nearest); ``precise`` (those two together); ``v5`` (Aqk as plain bf16);
+``no_prefetch``, ``noftz``, ``neumann``, ``unfused``, ``gemm_tiles`` (the intra launch without its cp.async
+prefetch, without ``-ftz``, with the Neumann-series solve, without the fused slice pass, with the anchored products
+by ``T.gemm``: each a former default); ``bv16`` (state kernel with V-blocks of 16).
 ``--accuracy``: o and final-state RMS ratios vs fp64 per variant and FLA (``ACCURACY {...}``); ``--train``: see
 :func:`train_grid` (``TRAIN {...}``). Inputs follow spec §15 (bf16, fp32 g, D = 128). Needs a GPU.
 """

@@ -58,6 +58,10 @@ _PREFETCH_CFGS = ((False, 2, 4, 128, 128, False, "bfloat16", "float32", False),
                   (False, 1, 1, 128, 64, False, "float16", "bfloat16", False),
                   (False, 2, 2, 64, 64, True, "bfloat16", "bfloat16", True),
                   (True, 1, 2, 128, 128, False, "float16", "float32", False))
+#: forward options whose launch-1 code differs with ``warp_tiles`` (TF32 operand rounding with the fp32 self terms,
+#: every diagonal block exact, the Neumann-series solve and its unpadded Aqk tile): ``tests/test_stages.py``'s
+#: ``test_gpu_intra_warp_tiles_bit_identical_with_precision_options`` on its first prefetch case (H 2, HV 4, K 128)
+WARP_TILE_OPTIONS = (dict(tf32_round=True, exact_self=True), dict(exact_diag=True), dict(blocked_solve=False))
 #: cases of ``tests/test_stages.py::test_gpu_state_block_v64_bit_identical`` (varlen, H, HV, K, V, l2, dtype, g dtype)
 _BV_CASES = ((False, 2, 4, 128, 128, False, "bfloat16", "float32"), (True, 2, 4, 64, 128, True, "bfloat16", "float32"),
              (False, 2, 2, 128, 128, False, "float16", "bfloat16"), (False, 1, 2, 64, 64, False, "bfloat16", "float32"))
@@ -147,6 +151,8 @@ def preset(name: str) -> list[dict]:
     # the anchored products by T.gemm (tests/test_stages.py: the default's per-warp mma.sync tiles bit-identical)
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), warp_tiles=False, save_states=s)
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
+    # warp_tiles with the options that change its code (tests/test_stages.py), on and off
+    tests += [dict(cfg(2, 4, 128), warp_tiles=w, **o) for o in WARP_TILE_OPTIONS for w in (False, True)]
     # the Neumann-series solve (tests/test_stages.py: the blocked solve against it)
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), blocked_solve=False, save_states=s)
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]

@@ -204,8 +204,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     take the exact path.
 
     ``warp_tiles`` (the default; needs ``fused_slice``; the same arithmetic, bit-identical results): the four
-    anchored products
-    as hand-written TF32 ``mma.sync`` (m16n8k8) tiles instead of ``T.gemm``, each warp owning whole 32-row column
+    anchored products as hand-written TF32 ``mma.sync`` (m16n8k8) tiles instead of ``T.gemm``, each warp owning whole 32-row column
     tiles of one product (warp: sub-chunk, first column, 8-column tiles: 0: (0, 0, 2), 1: (1, 0, 4),
     2 / 3: (2, 0 / 24, 3), 4 / 5: (3, 0 / 32, 4); warps 6 and 7 have none), so that each operand element is read
     from shared memory once or twice per slice instead of two to four times (``T.gemm`` spreads each product over
@@ -216,14 +215,18 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     by index, and each Kc_i after the row loop under one warp-uniform branch (the rows' sub-chunk ``tx // 64``
     before i or equal to it), not one comparison and branch per row and sub-chunk. Each output element
     sees the same m16n8k8 operations in the same order as under ``T.gemm`` (k-steps of 8 channels in order,
-    slice after slice). The accumulators are stored to Aqk / T by their owners; Aqk's tile is padded to 72 floats
-    a row (the owners' stores were 8-way bank conflicts at 64).
+    slice after slice). The accumulators are stored to Aqk / T by their owners; with ``blocked_solve`` Aqk's tile is
+    padded to 72 floats a row (the owners' stores are 8-way bank conflicts at 64, as the Neumann solve keeps it).
 
     ``ftz`` changes nothing here: the pipeline compiles the launch with ``nvcc -ftz=true`` (see ``intra_ftz`` of
     ``chunk_fwd_pipeline``); it is a parameter so that it enters the launch's key.
     """
     import tilelang.language as T
 
+    # (what chunk_fwd_pipeline checks for its callers; the warp roles and row segments below assume all of it)
+    assert not fused_slice or (prefetch and threads == 256), "fused_slice needs prefetch and 256 threads"
+    assert not warp_tiles or fused_slice, "warp_tiles needs fused_slice"
+    assert not blocked_solve or threads == 256, "blocked_solve needs 256 threads"
     C, BC = CHUNK, SUB
     NB = C // BC
     TH = threads

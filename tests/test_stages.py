@@ -23,6 +23,7 @@ from gdn2_jax.xla.chunk import chunk_bwd_one, chunk_fwd_one
 from gdn2_jax.xla.chunk_delta_h import state_bwd, state_bwd_recurrent, state_fwd
 from gdn2_jax.xla.chunk_intra import intra_bwd, intra_fwd, solve_bwd, solve_fwd
 from gdn2_jax.xla.chunk_o import o_bwd, o_fwd
+from kernels.build import WARP_TILE_OPTIONS
 from gdn2_jax.xla.common import masks
 from gdn2_jax.xla.cumsum import SUB, Gates, SubGates, chunk_gates, chunk_local_cumsum_bwd
 from gdn2_jax.xla.wy_fast import WY, wy_bwd, wy_fwd
@@ -563,13 +564,14 @@ def _assert_intra_scratch_bit_identical(cfg, t, save, option, key, **fixed):
 @pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
 def test_gpu_intra_prefetch_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
     """Launch 1 with ``intra_prefetch`` (inputs by predicated cp.async one slice ahead, no TileLang bounds checks)
-    does the default launch's arithmetic: every scratch buffer it writes is bit-identical to the default's, on
+    does the arithmetic of the launch without it (both with separate slice passes, ``fused_slice=False``, which
+    the launch without prefetch always has): every scratch buffer it writes is bit-identical to that launch's, on
     identical inputs, with the same sentinel in every buffer beforehand (so unwritten elements agree too, and a
     write past a chunk's valid rows would show), over dense and packed sequences (an empty one, one of a single
     token, a chunk-aligned one), GVA, the in-kernel L2 norm, K / V of 64 and 128, fp16, bf16 g, T = 1 and the
     training forward's ``Akk``; two runs of the prefetch launch are bit-identical."""
     cfg, t = _prefetch_case(41 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
-    _assert_intra_scratch_bit_identical(cfg, t, save, "intra_prefetch", "prefetch")
+    _assert_intra_scratch_bit_identical(cfg, t, save, "intra_prefetch", "prefetch", fused_slice=False)
 
 
 @pytest.mark.cuda
@@ -578,11 +580,13 @@ def test_gpu_intra_fused_slice_bit_identical_to_default(cu, B, T, H, HV, K_, V_,
     """Launch 1 with ``fused_slice`` (the default: each channel slice's element-wise work in one pass over
     thread-owned rows, G in registers) does the arithmetic of the launch without it (separate passes over shared
     tiles; both with the anchored products by ``T.gemm``, ``warp_tiles=False``): every scratch buffer it writes
-    is bit-identical to that launch's on the prefetch test's cases (packed sequences with an empty and a one-token sequence, GVA, the
-    in-kernel L2 norm, K / V of 64 and 128, fp16, bf16 g, T = 1, the training forward's ``Akk``, fast and exact
-    slices), with the same sentinel in every buffer beforehand; two runs of it are bit-identical."""
+    is bit-identical to that launch's on the prefetch test's cases (packed sequences with an empty and a one-token
+    sequence, GVA, the in-kernel L2 norm, K / V of 64 and 128, fp16, bf16 g, T = 1, the training forward's ``Akk``,
+    fast and exact slices), with the same sentinel in every buffer beforehand; two runs of it are bit-identical."""
     cfg, t = _prefetch_case(53 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
-    _assert_intra_scratch_bit_identical(cfg, t, save, "fused_slice", "fused_slice", warp_tiles=False)
+    # (warp_tiles=False on both sides: fused_slice alone)
+    _assert_intra_scratch_bit_identical(cfg, t, save, "fused_slice", "fused_slice",
+                                        warp_tiles=False)
 
 
 @pytest.mark.cuda
@@ -596,6 +600,18 @@ def test_gpu_intra_warp_tiles_bit_identical_to_default(cu, B, T, H, HV, K_, V_, 
     beforehand; two runs of it are bit-identical."""
     cfg, t = _prefetch_case(67 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
     _assert_intra_scratch_bit_identical(cfg, t, save, "warp_tiles", "warp_tiles")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("opts", WARP_TILE_OPTIONS, ids=lambda o: "+".join(o))
+def test_gpu_intra_warp_tiles_bit_identical_with_precision_options(opts):
+    """``warp_tiles`` against ``T.gemm`` with the launch-1 options that change the products' operands or their
+    assembly: ``tf32_round`` + ``exact_self``, ``exact_diag`` (every slice on the exact path) and the Neumann-series
+    solve; every scratch buffer bit-identical, on the first prefetch case (B2 T300 H2 HV4, fast and exact
+    slices)."""
+    cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist = _PREFETCH_CASES[0]
+    cfg, t = _prefetch_case(71 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
+    _assert_intra_scratch_bit_identical(cfg, t, save, "warp_tiles", "warp_tiles", **opts)
 
 
 @pytest.mark.cuda
