@@ -451,22 +451,6 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                                   T.address_of(afr[mi * 4]), T.address_of(bfr[nj * 2]))
 
     @T.macro
-    def warp_products(QEa, Kca, wacc, afr, bfr, tx):
-        T.sync_threads()  # (the slice's QE / Kc are stored)
-        if tx // 32 == 0:
-            warp_tile(QEa, Kca, WTILES[0][0], WTILES[0][1], WTILES[0][2], wacc, afr, bfr, tx % 32)
-        elif tx // 32 == 1:
-            warp_tile(QEa, Kca, WTILES[1][0], WTILES[1][1], WTILES[1][2], wacc, afr, bfr, tx % 32)
-        elif tx // 32 == 2:
-            warp_tile(QEa, Kca, WTILES[2][0], WTILES[2][1], WTILES[2][2], wacc, afr, bfr, tx % 32)
-        elif tx // 32 == 3:
-            warp_tile(QEa, Kca, WTILES[3][0], WTILES[3][1], WTILES[3][2], wacc, afr, bfr, tx % 32)
-        elif tx // 32 == 4:
-            warp_tile(QEa, Kca, WTILES[4][0], WTILES[4][1], WTILES[4][2], wacc, afr, bfr, tx % 32)
-        elif tx // 32 == 5:
-            warp_tile(QEa, Kca, WTILES[5][0], WTILES[5][1], WTILES[5][2], wacc, afr, bfr, tx % 32)
-
-    @T.macro
     def kc_rows(Kca, ib, kl, gl, a, fast, tx):
         # (warp_tiles) this thread's rows (tx // 32) * 8 + i of sub-chunk ib's Kc operand, k_s = kl[i], G_s = gl[i],
         # a = the sub-chunk's anchor: kc_operand's values, with the row's place known per warp (its sub-chunk
@@ -492,19 +476,28 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     0.0)
 
     @T.macro
-    def warp_stores(wacc, Qk, Tm, tx):
+    def warp_role(w, store, QEa, Kca, wacc, afr, bfr, Qk, Tm, lane):
+        # warp w's part of the anchored products (store False) or of their assembly into Aqk / T (store True)
+        if store:
+            warp_store(WTILES[w][0], WTILES[w][1], WTILES[w][2], wacc, Qk, Tm, lane)
+        else:
+            warp_tile(QEa, Kca, WTILES[w][0], WTILES[w][1], WTILES[w][2], wacc, afr, bfr, lane)
+
+    @T.macro
+    def by_warp_role(store, QEa, Kca, wacc, afr, bfr, Qk, Tm, tx):
+        # (warp_tiles) each of warps 0..5 its role of WTILES (a warp-uniform branch; warps 6 and 7 have none)
         if tx // 32 == 0:
-            warp_store(WTILES[0][0], WTILES[0][1], WTILES[0][2], wacc, Qk, Tm, tx % 32)
+            warp_role(0, store, QEa, Kca, wacc, afr, bfr, Qk, Tm, tx % 32)
         elif tx // 32 == 1:
-            warp_store(WTILES[1][0], WTILES[1][1], WTILES[1][2], wacc, Qk, Tm, tx % 32)
+            warp_role(1, store, QEa, Kca, wacc, afr, bfr, Qk, Tm, tx % 32)
         elif tx // 32 == 2:
-            warp_store(WTILES[2][0], WTILES[2][1], WTILES[2][2], wacc, Qk, Tm, tx % 32)
+            warp_role(2, store, QEa, Kca, wacc, afr, bfr, Qk, Tm, tx % 32)
         elif tx // 32 == 3:
-            warp_store(WTILES[3][0], WTILES[3][1], WTILES[3][2], wacc, Qk, Tm, tx % 32)
+            warp_role(3, store, QEa, Kca, wacc, afr, bfr, Qk, Tm, tx % 32)
         elif tx // 32 == 4:
-            warp_store(WTILES[4][0], WTILES[4][1], WTILES[4][2], wacc, Qk, Tm, tx % 32)
+            warp_role(4, store, QEa, Kca, wacc, afr, bfr, Qk, Tm, tx % 32)
         elif tx // 32 == 5:
-            warp_store(WTILES[5][0], WTILES[5][1], WTILES[5][2], wacc, Qk, Tm, tx % 32)
+            warp_role(5, store, QEa, Kca, wacc, afr, bfr, Qk, Tm, tx % 32)
 
     @T.prim_func
     def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"],
@@ -774,7 +767,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                                     sdot = sdot + T.cast(qkel(qc, cur, tx, dd), acc) * T.cast(
                                         qkel(kc, cur, tx, dd), acc)
                         if warp_tiles:
-                            warp_products(QEa, Kca, wacc, afr, bfr, tx)
+                            T.sync_threads()  # (the slice's QE / Kc are stored)
+                            by_warp_role(False, QEa, Kca, wacc, afr, bfr, Qk, Tm, tx)
                         else:
                             T.gemm(QE0, Kc0, Acc0, transpose_B=True)
                             T.gemm(QE1, Kc1, Acc1, transpose_B=True)
@@ -806,7 +800,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                         Qk[r, c] = 0.0
                         Tm[r, c] = 0.0
                 if warp_tiles:
-                    warp_stores(wacc, Qk, Tm, tx)
+                    by_warp_role(True, QEa, Kca, wacc, afr, bfr, Qk, Tm, tx)
                 else:
                     anchored_store(0, Acc0, Qk, Tm)
                     anchored_store(1, Acc1, Qk, Tm)
