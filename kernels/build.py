@@ -100,6 +100,7 @@ def preset(name: str) -> list[dict]:
     profile += [dict(cfg(h, h, 128), blocked_solve=False, save_states=s) for h in (4, 16, 32) for s in (False, True)]
     profile += [dict(cfg(h, h, 128), fused_slice=False) for h in (4, 16, 32)]  # profile_chunk's "unfused"
     profile += [dict(cfg(h, h, 128), warp_tiles=False) for h in (4, 16, 32)]  # profile_chunk's "gemm_tiles"
+    profile += [dict(cfg(h, h, 128), smem_epilogue=False) for h in (4, 16, 32)]  # profile_chunk's "frag_stores"
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
                     dict(intra_fast_diag=True), dict(intra_tc=True, intra_fast_diag=True),
@@ -150,6 +151,9 @@ def preset(name: str) -> list[dict]:
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     # the anchored products by T.gemm (tests/test_stages.py: the default's per-warp mma.sync tiles bit-identical)
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), warp_tiles=False, save_states=s)
+              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
+    # Y / U stored from the accumulators (tests/test_stages.py: the default's shared-memory epilogue bit-identical)
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), smem_epilogue=False, save_states=s)
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     # warp_tiles with the options that change its code (tests/test_stages.py), on and off
     tests += [dict(cfg(2, 4, 128), warp_tiles=w, **o) for o in WARP_TILE_OPTIONS for w in (False, True)]

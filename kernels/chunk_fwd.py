@@ -162,7 +162,8 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 # ----------------------------------------------------------------------------------------------------------------
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
                 exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False, z_split=False,
-                qg_split=False, tf32_a=False, ftz=False, blocked_solve=False, fused_slice=False, warp_tiles=False):
+                qg_split=False, tf32_a=False, ftz=False, blocked_solve=False, fused_slice=False, warp_tiles=False,
+                smem_epilogue=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (87 KB for K = V = 128, 110 KB with
@@ -217,6 +218,12 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     sees the same m16n8k8 operations in the same order as under ``T.gemm`` (k-steps of 8 channels in order,
     slice after slice). The accumulators are stored to Aqk / T by their owners; with ``blocked_solve`` Aqk's tile is
     padded to 72 floats a row (the owners' stores are 8-way bank conflicts at 64, as the Neumann solve keeps it).
+
+    ``smem_epilogue`` (the default; the same values, bit-identical results): Y and U leave through shared memory.
+    Their accumulators are rounded into Ebs and Zs (``stmatrix``; their products have read them), and each
+    thread stores 16-byte pieces of whole rows. Stored from the WGMMA accumulators directly, every 4-byte store
+    covered 8 rows x 16 bytes (half of each 32-byte sector) and recomputed its 64-bit address (about 23
+    instructions a store, 32 stores a thread: 54.9 M of v9's 350.7 M instructions at B4 T4096 H32).
 
     ``ftz`` changes nothing here: the pipeline compiles the launch with ``nvcc -ftz=true`` (see ``intra_ftz`` of
     ``chunk_fwd_pipeline``); it is a parameter so that it enters the launch's key.
@@ -877,12 +884,23 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                         T.gemm(As, wS, Uf)
                     else:
                         T.gemm(As, ZsL, Uf)
-                for r, d in T.Parallel(C, K):
-                    if r < valid:
-                        Y[bb, t0 + r, hv, d] = T.cast(Yf[r, d], dtype)
-                for r, e in T.Parallel(C, V):
-                    if r < valid:
-                        U[bb, t0 + r, hv, e] = T.cast(Uf[r, e], dtype)
+                if smem_epilogue:  # Y, U rounded into Ebs, Zs (their products are done), then stored by rows
+                    # (TileLang puts a barrier before each copy: every warpgroup's products have read Ebs / Zs)
+                    T.copy(Yf, Ebs)
+                    T.copy(Uf, Zs)
+                    for r, d in T.Parallel(C, K):
+                        if r < valid:
+                            Y[bb, t0 + r, hv, d] = Ebs[r, d]
+                    for r, e in T.Parallel(C, V):
+                        if r < valid:
+                            U[bb, t0 + r, hv, e] = Zs[r, e]
+                else:
+                    for r, d in T.Parallel(C, K):
+                        if r < valid:
+                            Y[bb, t0 + r, hv, d] = T.cast(Yf[r, d], dtype)
+                    for r, e in T.Parallel(C, V):
+                        if r < valid:
+                            U[bb, t0 + r, hv, e] = T.cast(Uf[r, e], dtype)
 
     keep = {"q", "k", "v", "g", "b", "w", "Aqk", "Y", "U", "QG", "KG", "GAM"} | ({"cu_seqlens"} if varlen else set())
     keep |= {"AqkL"} if aqk_split else set()
@@ -1010,7 +1028,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        intra_prefetch: bool | None = None, z_split: bool | None = None,
                        qg_split: bool | None = None, tf32_states: bool | None = None,
                        intra_ftz: bool | None = None, blocked_solve: bool | None = None,
-                       fused_slice: bool | None = None, warp_tiles: bool | None = None) -> Pipeline:
+                       fused_slice: bool | None = None, warp_tiles: bool | None = None,
+                       smem_epilogue: bool | None = None) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -1066,6 +1085,9 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``warp_tiles`` (default from ``kernels.defaults.FORWARD`` where ``fused_slice``, else off; True there:
     ValueError): launch 1's four anchored products as hand-written TF32 ``mma.sync`` tiles, one 32-row column tile
     per warp (see ``_intra_prim``); bit-identical results.
+    ``smem_epilogue`` (default from ``kernels.defaults.FORWARD``): launch 1 stores Y and U through shared memory
+    in 16-byte pieces of whole rows instead of from its tensor-core accumulators (see ``_intra_prim``);
+    bit-identical results.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -1100,6 +1122,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     if warp_tiles and not fused_slice:
         raise ValueError(f"{fn}: warp_tiles=True needs fused_slice=True (and so intra_prefetch=True and "
                          f"intra_threads=256), got fused_slice={fused_slice}")
+    smem_epilogue = _forward_default(fn, "smem_epilogue", smem_epilogue)
     if tf32_states is None:  # (a bool by construction)
         tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] in TF32_DY
     if not isinstance(tf32_states, bool):
@@ -1142,7 +1165,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                                       ("prefetch", intra_prefetch), ("z_split", z_split),
                                       ("qg_split", qg_split), ("tf32_a", tf32_states), ("ftz", intra_ftz),
                                       ("blocked_solve", blocked_solve), ("fused_slice", fused_slice),
-                                      ("warp_tiles", warp_tiles)) if on})
+                                      ("warp_tiles", warp_tiles), ("smem_epilogue", smem_epilogue)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),

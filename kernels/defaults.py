@@ -25,9 +25,10 @@ __all__ = ["BACKWARD", "FORWARD"]
 #: ``fused_slice``: launch 1 does each channel slice's element-wise work in one pass over thread-owned rows
 #: (bit-identical results). ``warp_tiles``: its four anchored products as hand-written TF32 ``mma.sync`` tiles,
 #: one 32-row column tile per warp, instead of ``T.gemm`` over all eight warps (bit-identical results). Session 23
-#: (``docs/performance-notes.md``).
+#: (``docs/performance-notes.md``). ``smem_epilogue``: Y and U leave through shared memory as 16-byte pieces of
+#: whole rows, not as 4-byte stores from the tensor-core accumulators (bit-identical results). Session 24.
 FORWARD = dict(intra_prefetch=True, z_split=True, intra_ftz=True, blocked_solve=True, fused_slice=True,
-               warp_tiles=True)
+               warp_tiles=True, smem_epilogue=True)
 
 #: ``split_ds``: the reverse state pass feeds dS to the KG dS product as a 16-bit value plus its rounding residual
 #: (db 3.29e-3 instead of 3.87e-3 vs fp64 on the benchmark's gradient case, seed 77; session 10, when the option

@@ -603,6 +603,18 @@ def test_gpu_intra_warp_tiles_bit_identical_to_default(cu, B, T, H, HV, K_, V_, 
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
+def test_gpu_intra_smem_epilogue_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
+    """Launch 1 with ``smem_epilogue`` (the default: Y and U rounded into shared memory, then stored as 16-byte
+    pieces of whole rows) writes what the launch storing them from the accumulators writes: every scratch buffer
+    bit-identical on the prefetch test's cases (packed sequences with an empty and a one-token sequence, so rows
+    past a chunk's valid ones; GVA, K / V of 64 and 128, fp16, T = 1, the training forward), with the same
+    sentinel in every buffer beforehand (a store past a chunk's valid rows would show); two runs bit-identical."""
+    cfg, t = _prefetch_case(79 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
+    _assert_intra_scratch_bit_identical(cfg, t, save, "smem_epilogue", "smem_epilogue")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("opts", WARP_TILE_OPTIONS, ids=lambda o: "+".join(o))
 def test_gpu_intra_warp_tiles_bit_identical_with_precision_options(opts):
     """``warp_tiles`` against ``T.gemm`` with the launch-1 options that change the products' operands or their

@@ -241,6 +241,22 @@ def test_lowering_chunk_grad_runs_the_backward_kernels(varlen):
     assert varlen or not loops
 
 
+def _default_option_launches(kw: dict, option: str) -> tuple:
+    """The forward intra launch of ``chunk_fwd_pipeline(**kw)`` with pipeline option ``option`` at its default (on:
+    ``kernels.defaults.FORWARD``) and off: its key names the option when on only, and a value that is not a bool is
+    a ValueError naming it."""
+    from kernels import defaults
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    assert defaults.FORWARD[option] is True
+    on = chunk_fwd_pipeline(**kw).launches[0]
+    off = chunk_fwd_pipeline(**kw, **{option: False}).launches[0]
+    assert dict(on.key[2:])[option] is True and option not in dict(off.key[2:])
+    with pytest.raises(ValueError, match=f"{option} must be a bool, got 1$"):
+        chunk_fwd_pipeline(**kw, **{option: 1})
+    return on, off
+
+
 def _row_mask(cond: str) -> bool:
     """Whether the CUDA ``if`` condition bounds a row by ``valid`` (``... < valid`` or ``... == (valid - 1)``), as
     opposed to the chunk-level ``0 < valid``."""
@@ -424,18 +440,12 @@ def test_forward_intra_blocked_solve_key_and_products():
     (Numbers: ``tests/test_stages.py::test_gpu_blocked_solve_vs_neumann_series`` on the GPU.)"""
     import tilelang
 
-    from kernels import defaults
     from kernels.chunk_fwd import chunk_fwd_pipeline
 
     kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
               use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
-    assert defaults.FORWARD["blocked_solve"] is True
-    on = chunk_fwd_pipeline(**kw).launches[0]
-    off = chunk_fwd_pipeline(**kw, blocked_solve=False).launches[0]
-    assert dict(on.key[2:])["blocked_solve"] is True and "blocked_solve" not in dict(off.key[2:])
+    on, off = _default_option_launches(kw, "blocked_solve")
     assert _compile.cache_key(on, "sm_90a") != _compile.cache_key(off, "sm_90a")
-    with pytest.raises(ValueError, match="blocked_solve must be a bool, got 1$"):
-        chunk_fwd_pipeline(**kw, blocked_solve=1)
     # (its thread mapping assumes 256 threads: the 128-thread launch keeps the series, and asking for both fails)
     assert "blocked_solve" not in dict(chunk_fwd_pipeline(**kw, intra_threads=128).launches[0].key[2:])
     with pytest.raises(ValueError, match="blocked_solve=True needs intra_threads=256, got 128$"):
@@ -516,18 +526,12 @@ def test_forward_intra_warp_tiles_key_errors_and_tiles(tmp_path):
 
     import tilelang
 
-    from kernels import defaults
     from kernels.chunk_fwd import chunk_fwd_pipeline
 
     kw = dict(H=32, HV=32, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
               use_initial_state=False, output_final_state=True, varlen=False, use_qk_l2norm=False)
-    assert defaults.FORWARD["warp_tiles"] is True
-    on = chunk_fwd_pipeline(**kw).launches[0]
-    off = chunk_fwd_pipeline(**kw, warp_tiles=False).launches[0]
-    assert dict(on.key[2:])["warp_tiles"] is True and "warp_tiles" not in dict(off.key[2:])
+    on, off = _default_option_launches(kw, "warp_tiles")
     assert "warp_tiles" not in dict(chunk_fwd_pipeline(**kw, fused_slice=False).launches[0].key[2:])
-    with pytest.raises(ValueError, match="warp_tiles must be a bool, got 1$"):
-        chunk_fwd_pipeline(**kw, warp_tiles=1)
     with pytest.raises(ValueError, match="warp_tiles=True needs fused_slice=True"):
         chunk_fwd_pipeline(**kw, warp_tiles=True, fused_slice=False)
     with pytest.raises(ValueError, match="warp_tiles=True needs fused_slice=True"):
@@ -552,6 +556,34 @@ def test_forward_intra_warp_tiles_key_errors_and_tiles(tmp_path):
                               "-o", str(tmp_path / "warp_tiles.cubin"), str(cu)], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-2000:]
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in out.stderr, out.stderr[-800:]
+
+
+@needs_tilelang
+@pytest.mark.slow
+def test_forward_intra_smem_epilogue_key_errors_and_stores():
+    """``smem_epilogue`` (the default since session 24) names itself in the forward intra launch's key and
+    compiles to what it is for: Y and U rounded into shared memory by ``stmatrix`` and stored as 16-byte pieces
+    (``uint4``) under the row mask, where the launch without it stores 4-byte pairs straight from the WGMMA
+    accumulators. (Bit-identity: ``tests/test_stages.py::test_gpu_intra_smem_epilogue_bit_identical_to_default``.)"""
+    import re
+
+    import tilelang
+
+    kw = dict(H=32, HV=32, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=False, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    on, off = _default_option_launches(kw, "smem_epilogue")
+
+    def stores(launch):
+        src = tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                               pass_configs=dict(launch.pass_configs)).get_kernel_source()
+        return src, {n: re.findall(r"\*\((uint\d)\*\)\(" + n + r" \+", src) for n in ("Y", "U")}
+
+    src, got = stores(on)
+    assert got == {"Y": ["uint4"], "U": ["uint4"]}, got
+    assert src.count("tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)Ebs)[") == 1
+    assert src.count("tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)Zs)[") == 1
+    src, got = stores(off)
+    assert got == {"Y": ["uint1"], "U": ["uint1"]} and "stmatrix" not in src, got
 
 
 def test_forward_default_option_errors_name_kernels_defaults(monkeypatch):
