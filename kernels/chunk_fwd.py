@@ -223,7 +223,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     Their accumulators are rounded into Ebs and Zs (``stmatrix``; their products have read them), and each
     thread stores 16-byte pieces of whole rows. Stored from the WGMMA accumulators directly, every 4-byte store
     covered 8 rows x 16 bytes (half of each 32-byte sector) and recomputed its 64-bit address (about 23
-    instructions a store, 32 stores a thread: 54.9 M of v9's 350.7 M instructions at B4 T4096 H32).
+    instructions a store, 16 stores of Y and 16 of U a thread; the region of the products and these stores held
+    54.9 M of v9's 350.7 M instructions at B4 T4096 H32).
 
     ``ftz`` changes nothing here: the pipeline compiles the launch with ``nvcc -ftz=true`` (see ``intra_ftz`` of
     ``chunk_fwd_pipeline``); it is a parameter so that it enters the launch's key.
@@ -885,7 +886,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     else:
                         T.gemm(As, ZsL, Uf)
                 if smem_epilogue:  # Y, U rounded into Ebs, Zs (their products are done), then stored by rows
-                    # (TileLang puts a barrier before each copy: every warpgroup's products have read Ebs / Zs)
+                    # (the barriers come from TileLang's planner: one after both warpgroups' products have read Ebs /
+                    # Zs, one before the rows are read back; tests/test_tilelang_cpu.py checks them in the CUDA)
                     T.copy(Yf, Ebs)
                     T.copy(Uf, Zs)
                     for r, d in T.Parallel(C, K):

@@ -562,9 +562,9 @@ def test_forward_intra_warp_tiles_key_errors_and_tiles(tmp_path):
 @pytest.mark.slow
 def test_forward_intra_smem_epilogue_key_errors_and_stores():
     """``smem_epilogue`` (the default since session 24) names itself in the forward intra launch's key and
-    compiles to what it is for: Y and U rounded into shared memory by ``stmatrix`` and stored as 16-byte pieces
-    (``uint4``) under the row mask, where the launch without it stores 4-byte pairs straight from the WGMMA
-    accumulators. (Bit-identity: ``tests/test_stages.py::test_gpu_intra_smem_epilogue_bit_identical_to_default``.)"""
+    compiles to what it is for: Y and U rounded into shared memory by ``stmatrix`` behind a barrier after the
+    products and stored as 16-byte pieces (``uint4``) under the row mask behind another, where the launch without it
+    stores 4-byte pairs straight from the WGMMA accumulators. (Bit-identity: ``tests/test_stages.py::test_gpu_intra_smem_epilogue_bit_identical_to_default``.)"""
     import re
 
     import tilelang
@@ -582,6 +582,17 @@ def test_forward_intra_smem_epilogue_key_errors_and_stores():
     assert got == {"Y": ["uint4"], "U": ["uint4"]}, got
     assert src.count("tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)Ebs)[") == 1
     assert src.count("tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)Zs)[") == 1
+    assert _unmasked_global_accesses(src, exempt=("GAM",)) == []  # (the row stores under their row masks)
+    # the barriers the epilogue relies on (placed by TileLang's planner): after the last product's wait (both
+    # warpgroups' reads of Ebs / Zs / wS done) before the first stmatrix, and after the last stmatrix before the
+    # first row store
+    lines = src.splitlines()
+    wait = max(i for i, line in enumerate(lines) if "tl::warpgroup_wait<0>();" in line)
+    stm = [i for i, line in enumerate(lines) if "tl::ptx_stmatrix_m8n8_x4(" in line]
+    row = min(i for i, line in enumerate(lines) if "*(uint4*)(Y +" in line)
+    assert wait < stm[0] < stm[-1] < row
+    assert any(line.strip() == "__syncthreads();" for line in lines[wait:stm[0]])
+    assert any(line.strip() == "__syncthreads();" for line in lines[stm[-1]:row])
     src, got = stores(off)
     assert got == {"Y": ["uint1"], "U": ["uint1"]} and "stmatrix" not in src, got
 
