@@ -62,6 +62,10 @@ _PREFETCH_CFGS = ((False, 2, 4, 128, 128, False, "bfloat16", "float32", False),
 #: every diagonal block exact, the Neumann-series solve and its unpadded Aqk tile): ``tests/test_stages.py``'s
 #: ``test_gpu_intra_warp_tiles_bit_identical_with_precision_options`` on its first prefetch case (H 2, HV 4, K 128)
 WARP_TILE_OPTIONS = (dict(tf32_round=True, exact_self=True), dict(exact_diag=True), dict(blocked_solve=False))
+#: launch-1 variants whose Y / U epilogue code differs from the default's (no prefetch: U's residual from ZsL; the
+#: Neumann-series solve; 128 threads, one warpgroup): ``tests/test_stages.py``'s
+#: ``test_gpu_intra_smem_epilogue_bit_identical_other_launches`` on its first prefetch case (H 2, HV 4, K 128)
+SMEM_EPILOGUE_OPTIONS = (dict(intra_prefetch=False), dict(blocked_solve=False), dict(intra_threads=128))
 #: cases of ``tests/test_stages.py::test_gpu_state_block_v64_bit_identical`` (varlen, H, HV, K, V, l2, dtype, g dtype)
 _BV_CASES = ((False, 2, 4, 128, 128, False, "bfloat16", "float32"), (True, 2, 4, 64, 128, True, "bfloat16", "float32"),
              (False, 2, 2, 128, 128, False, "float16", "bfloat16"), (False, 1, 2, 64, 64, False, "bfloat16", "float32"))
@@ -155,6 +159,7 @@ def preset(name: str) -> list[dict]:
     # Y / U stored from the accumulators (tests/test_stages.py: the default's shared-memory epilogue bit-identical)
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), smem_epilogue=False, save_states=s)
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
+    tests += [dict(cfg(2, 4, 128), smem_epilogue=e, **o) for o in SMEM_EPILOGUE_OPTIONS for e in (False, True)]
     # warp_tiles with the options that change its code (tests/test_stages.py), on and off
     tests += [dict(cfg(2, 4, 128), warp_tiles=w, **o) for o in WARP_TILE_OPTIONS for w in (False, True)]
     # the Neumann-series solve (tests/test_stages.py: the blocked solve against it)

@@ -23,7 +23,7 @@ from gdn2_jax.xla.chunk import chunk_bwd_one, chunk_fwd_one
 from gdn2_jax.xla.chunk_delta_h import state_bwd, state_bwd_recurrent, state_fwd
 from gdn2_jax.xla.chunk_intra import intra_bwd, intra_fwd, solve_bwd, solve_fwd
 from gdn2_jax.xla.chunk_o import o_bwd, o_fwd
-from kernels.build import WARP_TILE_OPTIONS
+from kernels.build import SMEM_EPILOGUE_OPTIONS, WARP_TILE_OPTIONS
 from gdn2_jax.xla.common import masks
 from gdn2_jax.xla.cumsum import SUB, Gates, SubGates, chunk_gates, chunk_local_cumsum_bwd
 from gdn2_jax.xla.wy_fast import WY, wy_bwd, wy_fwd
@@ -531,8 +531,10 @@ def _assert_intra_scratch_bit_identical(cfg, t, save, option, key, **fixed):
     """Launch 1 with pipeline option ``option`` off, on, on again (its launch key names it as ``key`` when on;
     the other pipeline options ``fixed`` in all three), on
     the torch inputs ``t``, every scratch buffer filled with the same sentinel beforehand (so unwritten elements
-    agree too, and a write past a chunk's valid rows would show): on equals off bit for bit, and the two runs
-    with it on are bit-identical; the launch wrote finite Y."""
+    agree too): on equals off bit for bit, and the two runs with it on are bit-identical; the launch wrote every
+    token row of Y and U (none is all sentinel), all finite. (A store past a chunk's valid rows would land in a row
+    that another block writes, or past the buffer, so it need not show here: the row masks are checked on the
+    generated CUDA, ``tests/test_tilelang_cpu.py::test_forward_intra_prefetch_masks_every_global_access_itself``.)"""
     import torch
 
     from kernels import _compile, registry
@@ -557,7 +559,10 @@ def _assert_intra_scratch_bit_identical(cfg, t, save, option, key, **fixed):
         a, b, c = (g[n].view(torch.int16 if g[n].element_size() == 2 else torch.int32) for g in got)
         assert torch.equal(a, b), (n, int((a != b).sum()))
         assert torch.equal(b, c), n
-    assert bool(torch.isfinite(got[1]["Y"].float()).all())  # (the launch wrote finite values at all)
+    for n in ("Y", "U"):  # (every token row belongs to a chunk: cu_seqlens ends at T)
+        x = got[1][n]
+        assert not bool((x == 7.25).all(dim=-1).any()), (n, int((x == 7.25).all(dim=-1).sum()))
+        assert bool(torch.isfinite(x.float()).all()), n
 
 
 @pytest.mark.cuda
@@ -607,11 +612,23 @@ def test_gpu_intra_warp_tiles_bit_identical_to_default(cu, B, T, H, HV, K_, V_, 
 def test_gpu_intra_smem_epilogue_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
     """Launch 1 with ``smem_epilogue`` (the default: Y and U rounded into shared memory, then stored as 16-byte
     pieces of whole rows) writes what the launch storing them from the accumulators writes: every scratch buffer
-    bit-identical on the prefetch test's cases (packed sequences with an empty and a one-token sequence, so rows
-    past a chunk's valid ones; GVA, K / V of 64 and 128, fp16, T = 1, the training forward), with the same
-    sentinel in every buffer beforehand (a store past a chunk's valid rows would show); two runs bit-identical."""
+    bit-identical on the prefetch test's cases (packed sequences with an empty and a one-token sequence, so chunks
+    with fewer valid rows; GVA, K / V of 64 and 128, fp16, T = 1, the training forward), with the same sentinel in
+    every buffer beforehand; two runs bit-identical."""
     cfg, t = _prefetch_case(79 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
     _assert_intra_scratch_bit_identical(cfg, t, save, "smem_epilogue", "smem_epilogue")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("opts", SMEM_EPILOGUE_OPTIONS, ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()))
+def test_gpu_intra_smem_epilogue_bit_identical_other_launches(opts):
+    """``smem_epilogue`` on the launch-1 variants whose epilogue code differs from the default's: without the
+    cp.async prefetch (so without the fused slice pass; U's residual product from ``ZsL``), with the Neumann-series
+    solve, and with 128 threads (one warpgroup: a 64 x 128 WGMMA tile a product); every scratch buffer bit-identical
+    to the same launch storing Y / U from the accumulators, on the first prefetch case (B2 T300 H2 HV4)."""
+    cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist = _PREFETCH_CASES[0]
+    cfg, t = _prefetch_case(89 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
+    _assert_intra_scratch_bit_identical(cfg, t, save, "smem_epilogue", "smem_epilogue", **opts)
 
 
 @pytest.mark.cuda
