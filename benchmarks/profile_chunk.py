@@ -37,7 +37,8 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "bv16": {"block_v": 16},  # (the state pass with twice the blocks of the default's at HV = 32)
             "unfused": {"fused_slice": False},  # (the slice loop in one pass per row: the default since session 23)
             "gemm_tiles": {"warp_tiles": False},  # (the anchored products as per-warp tiles: the default, session 23)
-            "frag_stores": {"smem_epilogue": False}}  # (Y / U through shared memory: the default, session 24)
+            "frag_stores": {"smem_epilogue": False},  # (Y / U through shared memory: the default, session 24)
+            "unrolled": {"intra_unroll": True}}  # (experimental: the slice loop unrolled, session 24)
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):

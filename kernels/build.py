@@ -105,6 +105,7 @@ def preset(name: str) -> list[dict]:
     profile += [dict(cfg(h, h, 128), fused_slice=False) for h in (4, 16, 32)]  # profile_chunk's "unfused"
     profile += [dict(cfg(h, h, 128), warp_tiles=False) for h in (4, 16, 32)]  # profile_chunk's "gemm_tiles"
     profile += [dict(cfg(h, h, 128), smem_epilogue=False) for h in (4, 16, 32)]  # profile_chunk's "frag_stores"
+    profile += [dict(cfg(h, h, 128), intra_unroll=True) for h in (4, 16, 32)]  # profile_chunk's "unrolled"
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
                     dict(intra_fast_diag=True), dict(intra_tc=True, intra_fast_diag=True),
@@ -160,6 +161,9 @@ def preset(name: str) -> list[dict]:
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), smem_epilogue=False, save_states=s)
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     tests += [dict(cfg(2, 4, 128), smem_epilogue=e, **o) for o in SMEM_EPILOGUE_OPTIONS for e in (False, True)]
+    # the slice loop unrolled (experimental; tests/test_stages.py: bit-identical), the first two prefetch cases
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_unroll=True, save_states=s)
+              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS[:2]]
     # warp_tiles with the options that change its code (tests/test_stages.py), on and off
     tests += [dict(cfg(2, 4, 128), warp_tiles=w, **o) for o in WARP_TILE_OPTIONS for w in (False, True)]
     # the Neumann-series solve (tests/test_stages.py: the blocked solve against it)

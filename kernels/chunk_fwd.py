@@ -163,7 +163,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
                 exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False, z_split=False,
                 qg_split=False, tf32_a=False, ftz=False, blocked_solve=False, fused_slice=False, warp_tiles=False,
-                smem_epilogue=False):
+                smem_epilogue=False, unroll_slices=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (87 KB for K = V = 128, 110 KB with
@@ -225,6 +225,11 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     covered 8 rows x 16 bytes (half of each 32-byte sector) and recomputed its 64-bit address (about 23
     instructions a store, 16 stores of Y and 16 of U a thread; the region of the products and these stores held
     54.9 M of v9's 350.7 M instructions at B4 T4096 H32).
+
+    ``unroll_slices`` (experimental, off; the same arithmetic): the channel-slice loop marked ``#pragma unroll``, so
+    that nvcc makes one copy of its body per slice, with the slice index and buffer parity constants, and a per-SASS
+    profile tells the slices' waits apart (for the bench configuration: 11,280 SASS instructions instead of 4,784; each copy 2,180-2,280 against
+    the loop body's 2,235, so hardly fewer executed).
 
     ``ftz`` changes nothing here: the pipeline compiles the launch with ``nvcc -ftz=true`` (see ``intra_ftz`` of
     ``chunk_fwd_pipeline``); it is a parameter so that it enters the launch's key.
@@ -615,7 +620,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     cp_rows(qc, 0, q, bb, t0, hq, 0, valid, tx, DC, EW16)
                     cp_rows(kc, 0, k, bb, t0, hq, 0, valid, tx, DC, EW16)
                     T.ptx_commit_group()
-                for dc in T.serial(NDC):
+                for dc in (T.unroll(NDC) if unroll_slices else T.serial(NDC)):
                     cur = dc % 2 if prefetch else 0
                     if not fused_slice:
                         if prefetch:
@@ -1031,7 +1036,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        qg_split: bool | None = None, tf32_states: bool | None = None,
                        intra_ftz: bool | None = None, blocked_solve: bool | None = None,
                        fused_slice: bool | None = None, warp_tiles: bool | None = None,
-                       smem_epilogue: bool | None = None) -> Pipeline:
+                       smem_epilogue: bool | None = None, intra_unroll: bool = False) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -1090,6 +1095,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``smem_epilogue`` (default from ``kernels.defaults.FORWARD``): launch 1 stores Y and U through shared memory
     in 16-byte pieces of whole rows instead of from its tensor-core accumulators (see ``_intra_prim``);
     bit-identical results.
+    ``intra_unroll`` (experimental, off): launch 1's channel-slice loop unrolled (see ``unroll_slices`` of
+    ``_intra_prim``); the same arithmetic.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -1167,7 +1174,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                                       ("prefetch", intra_prefetch), ("z_split", z_split),
                                       ("qg_split", qg_split), ("tf32_a", tf32_states), ("ftz", intra_ftz),
                                       ("blocked_solve", blocked_solve), ("fused_slice", fused_slice),
-                                      ("warp_tiles", warp_tiles), ("smem_epilogue", smem_epilogue)) if on})
+                                      ("warp_tiles", warp_tiles), ("smem_epilogue", smem_epilogue),
+                                      ("unroll_slices", intra_unroll)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),

@@ -632,6 +632,17 @@ def test_gpu_intra_smem_epilogue_bit_identical_other_launches(opts):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("case", [0, 1])
+def test_gpu_intra_unroll_bit_identical(case):
+    """``intra_unroll`` (experimental: the channel-slice loop unrolled, for per-slice profiles) does the default's
+    arithmetic: every scratch buffer bit-identical, on the first two prefetch cases (K = 128 and, packed with the
+    L2 norm and the training forward, K = 64: four and two slices)."""
+    cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist = _PREFETCH_CASES[case]
+    cfg, t = _prefetch_case(97 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
+    _assert_intra_scratch_bit_identical(cfg, t, save, "intra_unroll", "unroll_slices")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("opts", WARP_TILE_OPTIONS, ids=lambda o: "+".join(o))
 def test_gpu_intra_warp_tiles_bit_identical_with_precision_options(opts):
     """``warp_tiles`` against ``T.gemm`` with the launch-1 options that change the products' operands or their

@@ -597,6 +597,35 @@ def test_forward_intra_smem_epilogue_key_errors_and_stores():
     assert got == {"Y": ["uint1"], "U": ["uint1"]} and "stmatrix" not in src, got
 
 
+@needs_tilelang
+@pytest.mark.slow
+def test_forward_intra_unroll_key_and_slice_copies():
+    """``intra_unroll`` (experimental, off: for a per-SASS profile that tells the slices apart) names itself in the
+    forward intra launch's key when on and marks the channel-slice loop ``#pragma unroll`` (nvcc then makes one copy
+    per slice: four at K = 128, five ``DEPBAR`` waits in the bench configuration's SASS instead of two); off, the
+    launch is the default's."""
+    import tilelang
+
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    on = chunk_fwd_pipeline(**kw, intra_unroll=True).launches[0]
+    off = chunk_fwd_pipeline(**kw).launches[0]
+    assert dict(on.key[2:])["unroll_slices"] is True and "unroll_slices" not in dict(off.key[2:])
+    assert chunk_fwd_pipeline(**kw, intra_unroll=False).launches[0].key == off.key
+
+    def source(launch):
+        return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                                pass_configs=dict(launch.pass_configs)).get_kernel_source()
+
+    loop = "    for (int dc = 0; dc < 4; ++dc) {"
+    on_lines, off_lines = source(on).splitlines(), source(off).splitlines()
+    assert on_lines.count(loop) == 1 and off_lines.count(loop) == 1
+    assert on_lines[on_lines.index(loop) - 1].strip() == "#pragma unroll"
+    assert off_lines[off_lines.index(loop) - 1].strip() != "#pragma unroll"
+
+
 def test_forward_default_option_errors_name_kernels_defaults(monkeypatch):
     """A bad value in ``kernels.defaults.FORWARD`` is reported as coming from there, an explicit bad value as is."""
     from kernels import defaults
