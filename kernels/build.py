@@ -106,6 +106,7 @@ def preset(name: str) -> list[dict]:
     profile += [dict(cfg(h, h, 128), warp_tiles=False) for h in (4, 16, 32)]  # profile_chunk's "gemm_tiles"
     profile += [dict(cfg(h, h, 128), smem_epilogue=False) for h in (4, 16, 32)]  # profile_chunk's "frag_stores"
     profile += [dict(cfg(h, h, 128), intra_unroll=True) for h in (4, 16, 32)]  # profile_chunk's "unrolled"
+    profile += [dict(cfg(h, h, 128), block_v=128, state_threads=256) for h in (16, 32)]  # profile_chunk's "bv128w"
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
                     dict(intra_fast_diag=True), dict(intra_tc=True, intra_fast_diag=True),
@@ -150,6 +151,9 @@ def preset(name: str) -> list[dict]:
     bench += [dict(cfg(32, 32, 128), block_v=64)]
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), **({"block_v": 64} if bv else {}))
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES for bv in (False, True)]
+    # the state pass with two warpgroups and V-blocks of V (experimental; tests/test_stages.py: bit-identical)
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), block_v=v, state_threads=256)
+              for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES]
     # the forward intra launch without its fused slice pass and without per-warp tiles (tests/test_stages.py:
     # fused_slice bit-identical to the former, warp_tiles to the latter)
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), fused_slice=False, save_states=s)

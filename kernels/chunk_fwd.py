@@ -920,11 +920,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
 # launch 2: sequential state passing + output
 # ----------------------------------------------------------------------------------------------------------------
 def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_split=False, save_states=False,
-                tf32_h=False):
+                tf32_h=False, threads=128):
     import tilelang.language as T
 
     C = CHUNK
-    threads = 128
     acc = "float32"
     NVB = V // BV
 
@@ -1036,7 +1035,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        qg_split: bool | None = None, tf32_states: bool | None = None,
                        intra_ftz: bool | None = None, blocked_solve: bool | None = None,
                        fused_slice: bool | None = None, warp_tiles: bool | None = None,
-                       smem_epilogue: bool | None = None, intra_unroll: bool = False) -> Pipeline:
+                       smem_epilogue: bool | None = None, intra_unroll: bool = False,
+                       state_threads: int = 128) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -1097,6 +1097,10 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     bit-identical results.
     ``intra_unroll`` (experimental, off): launch 1's channel-slice loop unrolled (see ``unroll_slices`` of
     ``_intra_prim``); the same arithmetic.
+    ``state_threads`` (experimental: 128, the default, or 256): launch 2's compute threads (TileLang adds its TMA
+    producer warpgroup to either). Two warpgroups let one block take V-blocks of 128 (``block_v=128``) without
+    spilling (sm_90a: 168 registers, 214 KB of shared memory), so that Y, QG, KG and Aqk are read once per head
+    instead of once per V-block; its products sum over K and a chunk's rows as before.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -1146,6 +1150,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                          f"{intra_threads}, {intra_min_blocks}")
     if BV not in (16, 32, 64, 128) or V % BV != 0:
         raise ValueError(f"{fn}: block_v={BV} must be 16, 32, 64 or 128 and divide V={V}")
+    if state_threads not in (128, 256) or isinstance(state_threads, bool):
+        raise ValueError(f"{fn}: state_threads must be 128 or 256, got {state_threads!r}")
 
     inputs = ("q", "k", "v", "g", "b", "w") + (("h0",) if use_initial_state else ()) + (
         ("cu_seqlens",) if varlen else ())
@@ -1189,6 +1195,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                store_ht=bool(output_final_state), varlen=bool(varlen), stages=int(stages))
     kw2.update({n: True for n, on in (("aqk_split", aqk_split), ("save_states", save_states),
                                       ("tf32_h", tf32_states)) if on})
+    if state_threads != 128:  # (the key of the 128-thread launch stays as it was)
+        kw2["threads"] = int(state_threads)
     state = Launch(
         name="gdn2_chunk_state_o",
         key=("gdn2_chunk_state_o", _VERSION) + tuple(sorted(kw2.items())),

@@ -736,6 +736,20 @@ def test_gpu_blocked_solve_vs_neumann_series(cu, B, T, H, HV, K_, V_, l2, dtype,
             assert rb <= 1.02 * rs + 1e-6, (n, rb, rs)
 
 
+def _bv_case(seed, case):
+    """A ``kernels/build.py`` ``_BV_CASES`` case on the GPU: its config and torch inputs with a random initial
+    state (packed: B1 T201 with an empty and a one-token sequence; dense: B2 T150), and V."""
+    from kernels.build import _BV_CASES
+
+    varlen, H, HV, K_, V_, l2, dtype, g_dtype = _BV_CASES[case]
+    cu = [0, 0, 70, 200, 201] if varlen else None
+    B, T = (1, 201) if varlen else (2, 150)
+    cfg, t = _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, "spec")
+    N = B if cu is None else len(cu) - 1
+    t["h0"] = _torch(np.random.default_rng(case).standard_normal((N, HV, K_, V_)).astype(np.float32))
+    return cfg, t, V_
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", range(4))
 def test_gpu_state_block_v64_bit_identical(case, monkeypatch):
@@ -747,14 +761,8 @@ def test_gpu_state_block_v64_bit_identical(case, monkeypatch):
     import torch
 
     from kernels import registry, torch_api
-    from kernels.build import _BV_CASES
 
-    varlen, H, HV, K_, V_, l2, dtype, g_dtype = _BV_CASES[case]
-    cu = [0, 0, 70, 200, 201] if varlen else None
-    B, T = (1, 201) if varlen else (2, 150)
-    cfg, t = _prefetch_case(7 + case, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, "spec")
-    N = B if cu is None else len(cu) - 1
-    t["h0"] = _torch(np.random.default_rng(case).standard_normal((N, HV, K_, V_)).astype(np.float32))
+    cfg, t, _ = _bv_case(7 + case, case)
     op = registry.get("chunk_gdn2")
     runs = [torch_api.run_pipeline(op.pipeline(**cfg, **opt), t) for opt in ({}, {"block_v": 64})]
     torch.cuda.synchronize()
@@ -775,6 +783,28 @@ def test_gpu_state_block_v64_bit_identical(case, monkeypatch):
     torch.cuda.synchronize()
     assert ("BV", 32) in op.pipeline(**cfg).launches[1].key
     assert torch.equal(o, ref["o"]) and torch.equal(ht, ref["ht"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", range(4))
+def test_gpu_state_two_warpgroups_bit_identical(case):
+    """The state pass with two warpgroups and one V-block per head (experimental ``state_threads=256``,
+    ``block_v=V``) gives o and the final state bit-identical to the default launch on ``_BV_CASES`` (its products
+    sum over K and a chunk's rows, as before; dense GVA, packed sequences with an empty and a one-token one, the
+    in-kernel L2 norm, fp16 with bf16 g, K = V = 64)."""
+    import torch
+
+    from kernels import registry, torch_api
+
+    cfg, t, V_ = _bv_case(11 + case, case)
+    op = registry.get("chunk_gdn2")
+    two = op.pipeline(**cfg, block_v=V_, state_threads=256)
+    assert ("threads", 256) in two.launches[1].key and ("BV", V_) in two.launches[1].key
+    runs = [torch_api.run_pipeline(pipe, t) for pipe in (op.pipeline(**cfg), two)]
+    torch.cuda.synchronize()
+    for n in ("o", "ht"):
+        assert bool(torch.isfinite(runs[0][n].float()).all()), n
+        assert torch.equal(runs[0][n], runs[1][n]), (n, float((runs[0][n].float() - runs[1][n].float()).abs().max()))
 
 
 @pytest.mark.cuda

@@ -1126,6 +1126,9 @@ def _kernels_to_build():
         H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5, use_initial_state=True,
         output_final_state=True, varlen=True, use_qk_l2norm=False, tf32_round=True, exact_self=True,
         aqk_split=True)))
+    out.append(("chunk-state-two-warpgroups", registry.get("chunk_gdn2").pipeline(  # experimental, off by default
+        H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5, use_initial_state=True,
+        output_final_state=True, varlen=False, use_qk_l2norm=False, block_v=128, state_threads=256)))
     out.append(("chunk-train-forward-varlen", registry.get("chunk_gdn2").pipeline(  # save_states: h, v_new
         H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5, use_initial_state=True,
         output_final_state=True, varlen=True, use_qk_l2norm=False, save_states=True)))
