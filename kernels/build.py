@@ -66,7 +66,8 @@ WARP_TILE_OPTIONS = (dict(tf32_round=True, exact_self=True), dict(exact_diag=Tru
 #: Neumann-series solve; 128 threads, one warpgroup): ``tests/test_stages.py``'s
 #: ``test_gpu_intra_smem_epilogue_bit_identical_other_launches`` on its first prefetch case (H 2, HV 4, K 128)
 SMEM_EPILOGUE_OPTIONS = (dict(intra_prefetch=False), dict(blocked_solve=False), dict(intra_threads=128))
-#: cases of ``tests/test_stages.py::test_gpu_state_block_v64_bit_identical`` (varlen, H, HV, K, V, l2, dtype, g dtype)
+#: cases of ``tests/test_stages.py``'s ``test_gpu_state_block_v64_bit_identical`` and
+#: ``test_gpu_state_two_warpgroups_bit_identical`` (``_bv_case``): (varlen, H, HV, K, V, l2, dtype, g dtype)
 _BV_CASES = ((False, 2, 4, 128, 128, False, "bfloat16", "float32"), (True, 2, 4, 64, 128, True, "bfloat16", "float32"),
              (False, 2, 2, 128, 128, False, "float16", "bfloat16"), (False, 1, 2, 64, 64, False, "bfloat16", "float32"))
 

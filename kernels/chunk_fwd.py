@@ -228,8 +228,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
 
     ``unroll_slices`` (experimental, off; the same arithmetic): the channel-slice loop marked ``#pragma unroll``, so
     that nvcc makes one copy of its body per slice, with the slice index and buffer parity constants, and a per-SASS
-    profile tells the slices' waits apart (for the bench configuration: 11,280 SASS instructions instead of 4,784; each copy 2,180-2,280 against
-    the loop body's 2,235, so hardly fewer executed).
+    profile tells the slices' waits apart (bench configuration, nvcc -ftz=true, every nvdisasm instruction: 11,280
+    instead of 4,784; each copy 2,180-2,280 against the loop body's 2,235, so hardly fewer executed).
 
     ``ftz`` changes nothing here: the pipeline compiles the launch with ``nvcc -ftz=true`` (see ``intra_ftz`` of
     ``chunk_fwd_pipeline``); it is a parameter so that it enters the launch's key.
@@ -1152,6 +1152,10 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: block_v={BV} must be 16, 32, 64 or 128 and divide V={V}")
     if state_threads not in (128, 256) or isinstance(state_threads, bool):
         raise ValueError(f"{fn}: state_threads must be 128 or 256, got {state_threads!r}")
+    if state_threads == 256 and BV < 64:  # (at 16 TileLang fails to lay out the split WGMMA tiles; 32 untested)
+        raise ValueError(f"{fn}: state_threads=256 needs block_v of 64 or 128, got {BV}")
+    if not isinstance(intra_unroll, bool):
+        raise ValueError(f"{fn}: intra_unroll must be a bool, got {intra_unroll!r}")
 
     inputs = ("q", "k", "v", "g", "b", "w") + (("h0",) if use_initial_state else ()) + (
         ("cu_seqlens",) if varlen else ())

@@ -510,16 +510,46 @@ def test_prefetch_cases_are_prebuilt_by_the_tests_preset():
             for cu, B, T, H, HV, K_, V_, l2, dt, gd, save, gdist in _PREFETCH_CASES] == list(_PREFETCH_CFGS)
 
 
+def _case_config(cu, H, HV, K_, V_, l2, dtype, g_dtype):
+    """The ``registry.config`` of a GPU case (packed when ``cu`` is given; initial and final state on)."""
+    from kernels import registry
+
+    return registry.config(H=H, HV=HV, K=K_, V=V_, dtype=dtype, g_dtype=g_dtype, scale=K_ ** -0.5,
+                           use_initial_state=True, output_final_state=True, varlen=cu is not None, use_qk_l2norm=l2)
+
+
+def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
+    """Every launch that the GPU tests of ``smem_epilogue`` on the other launches, ``intra_unroll`` and the
+    two-warpgroup state pass build is in the ``tests`` preset, so the device compiles it ahead of time in parallel
+    rather than inside the test."""
+    from kernels import build, registry
+    from kernels.build import _BV_CASES
+
+    op = registry.get("chunk_gdn2")
+    have = set()
+    for name, kw, part, i, _ in build.plan(build.preset("tests"), ("chunk_gdn2",), "sm_90a"):
+        la = build._pipe(name, kw, part).launches[i]
+        have.add((la.name, la.key, la.pass_configs))
+    need = []
+    for case, opts in [(0, dict(o, smem_epilogue=e)) for o in SMEM_EPILOGUE_OPTIONS for e in (False, True)] + [
+            (c, dict(intra_unroll=u)) for c in (0, 1) for u in (False, True)]:
+        cu, _, _, H, HV, K_, V_, l2, dtype, g_dtype, save, _ = _PREFETCH_CASES[case]
+        need.append(op.pipeline(**_case_config(cu, H, HV, K_, V_, l2, dtype, g_dtype), save_states=save,
+                                **opts).launches[0])
+    for varlen, H, HV, K_, V_, l2, dtype, g_dtype in _BV_CASES:
+        cfg = _case_config([0] if varlen else None, H, HV, K_, V_, l2, dtype, g_dtype)
+        need += [la for opts in ({}, dict(block_v=V_, state_threads=256)) for la in op.pipeline(**cfg, **opts).launches]
+    missing = [la.key for la in need if (la.name, la.key, la.pass_configs) not in have]
+    assert len(need) == 26 and not missing, missing
+
+
 def _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist):
     """A :data:`_PREFETCH_CASES` case on the GPU: its ``registry.config`` and torch inputs q, k, v, g, b, w (and
     ``cu_seqlens`` when packed) in the case's dtypes (no initial state: the intra launch does not read it)."""
     import torch
 
-    from kernels import registry
-
     x = _gpu_inputs(seed, B, T, H, HV, K_, V_, l2, gdist)
-    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype=dtype, g_dtype=g_dtype, scale=K_ ** -0.5,
-                          use_initial_state=True, output_final_state=True, varlen=cu is not None, use_qk_l2norm=l2)
+    cfg = _case_config(cu, H, HV, K_, V_, l2, dtype, g_dtype)
     t = {n: _torch(x[n]).to(getattr(torch, dtype)) for n in ("q", "k", "v", "b", "w")}
     t["g"] = _torch(x["g"]).to(getattr(torch, g_dtype))
     if cu is not None:

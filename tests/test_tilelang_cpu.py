@@ -564,7 +564,8 @@ def test_forward_intra_smem_epilogue_key_errors_and_stores():
     """``smem_epilogue`` (the default since session 24) names itself in the forward intra launch's key and
     compiles to what it is for: Y and U rounded into shared memory by ``stmatrix`` behind a barrier after the
     products and stored as 16-byte pieces (``uint4``) under the row mask behind another, where the launch without it
-    stores 4-byte pairs straight from the WGMMA accumulators. (Bit-identity: ``tests/test_stages.py::test_gpu_intra_smem_epilogue_bit_identical_to_default``.)"""
+    stores 4-byte pairs straight from the WGMMA accumulators. (Bit-identity:
+    ``tests/test_stages.py::test_gpu_intra_smem_epilogue_bit_identical_to_default``.)"""
     import re
 
     import tilelang
@@ -614,6 +615,12 @@ def test_forward_intra_unroll_key_and_slice_copies():
     off = chunk_fwd_pipeline(**kw).launches[0]
     assert dict(on.key[2:])["unroll_slices"] is True and "unroll_slices" not in dict(off.key[2:])
     assert chunk_fwd_pipeline(**kw, intra_unroll=False).launches[0].key == off.key
+    with pytest.raises(ValueError, match="intra_unroll must be a bool, got 'False'"):
+        chunk_fwd_pipeline(**kw, intra_unroll="False")
+    with pytest.raises(ValueError, match="state_threads=256 needs block_v of 64 or 128, got 32"):
+        chunk_fwd_pipeline(**kw, block_v=32, state_threads=256)
+    with pytest.raises(ValueError, match="state_threads must be 128 or 256, got 64"):
+        chunk_fwd_pipeline(**kw, state_threads=64)
 
     def source(launch):
         return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
