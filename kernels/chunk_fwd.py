@@ -895,19 +895,12 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     # Zs, one before the rows are read back; tests/test_tilelang_cpu.py checks them in the CUDA)
                     T.copy(Yf, Ebs)
                     T.copy(Uf, Zs)
-                    for r, d in T.Parallel(C, K):
-                        if r < valid:
-                            Y[bb, t0 + r, hv, d] = Ebs[r, d]
-                    for r, e in T.Parallel(C, V):
-                        if r < valid:
-                            U[bb, t0 + r, hv, e] = Zs[r, e]
-                else:
-                    for r, d in T.Parallel(C, K):
-                        if r < valid:
-                            Y[bb, t0 + r, hv, d] = T.cast(Yf[r, d], dtype)
-                    for r, e in T.Parallel(C, V):
-                        if r < valid:
-                            U[bb, t0 + r, hv, e] = T.cast(Uf[r, e], dtype)
+                for r, d in T.Parallel(C, K):
+                    if r < valid:
+                        Y[bb, t0 + r, hv, d] = Ebs[r, d] if smem_epilogue else T.cast(Yf[r, d], dtype)
+                for r, e in T.Parallel(C, V):
+                    if r < valid:
+                        U[bb, t0 + r, hv, e] = Zs[r, e] if smem_epilogue else T.cast(Uf[r, e], dtype)
 
     keep = {"q", "k", "v", "g", "b", "w", "Aqk", "Y", "U", "QG", "KG", "GAM"} | ({"cu_seqlens"} if varlen else set())
     keep |= {"AqkL"} if aqk_split else set()
