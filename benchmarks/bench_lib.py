@@ -555,6 +555,7 @@ def bench_kernel_configs(sweep=False) -> list[tuple[str, dict]]:
     """``(op name, factory kwargs)`` of every kernel variant the benchmark runs (bf16, fp32 g, K = V = 128), as the
     JAX and torch runners build them (``kernels.registry.config`` + options)."""
     from kernels import registry
+    from kernels.chunk_fwd import STATE_WIDE_OPTIONS
 
     def cfg(H, h0=True, ht=True, **opt):
         return registry.config(H=H, HV=H, K=D, V=D, dtype="bfloat16", g_dtype="float32", scale=D ** -0.5,
@@ -565,7 +566,7 @@ def bench_kernel_configs(sweep=False) -> list[tuple[str, dict]]:
     for H in (16, 32):
         out.append(("chunk_gdn2", cfg(H)))                    # prefill (JAX, torch, stages)
         out.append(("chunk_gdn2", cfg(H, h0=False, ht=False)))  # train forward
-    out.append(("chunk_gdn2", cfg(32, block_v=64)))             # prefill at B >= 4, H = 32 (inference_options)
+    out.append(("chunk_gdn2", cfg(32, **STATE_WIDE_OPTIONS)))   # prefill at B >= 4, H = 32 (inference_options)
     out.append(("chunk_gdn2", cfg(4)))                          # accuracy: prefill
     out.append(("chunk_gdn2", cfg(2)))                          # accuracy: gradients
     for H in (32, 4):

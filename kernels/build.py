@@ -22,6 +22,7 @@ import sys
 import time
 
 from . import registry
+from .chunk_fwd import STATE_WIDE_OPTIONS
 
 
 def cfg(H, HV, K, V=None, dtype="bfloat16", g_dtype="float32", scale=None, h0=True, ht=True, varlen=False,
@@ -146,13 +147,13 @@ def preset(name: str) -> list[dict]:
               dict(cfg(4, 4, 128), z_split=True, intra_prefetch=False), dict(cfg(4, 4, 128), qg_split=True)]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
         dict(cfg(2, 4, 128), aqk_split=False), dict(cfg(2, 4, 128), exact_diag=True)]
-    # the state pass with V-blocks of 64 that inference calls with many sequences x heads choose
-    # (kernels.chunk_fwd.inference_options): serving and benchmark head counts, and the tests' bit-identity cases
-    serving += [dict(c, block_v=64) for c in serving]
-    bench += [dict(cfg(32, 32, 128), block_v=64)]
+    # the state pass with two warpgroups and one V-block of 128 that inference calls with many sequences x heads
+    # choose (kernels.chunk_fwd.inference_options): serving and benchmark head counts
+    serving += [dict(c, **STATE_WIDE_OPTIONS) for c in serving]
+    bench += [dict(cfg(32, 32, 128), **STATE_WIDE_OPTIONS)]
+    # the tests' bit-identity cases (tests/test_stages.py): V-blocks of 64, and two warpgroups with V-blocks of V
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), **({"block_v": 64} if bv else {}))
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES for bv in (False, True)]
-    # the state pass with two warpgroups and V-blocks of V (experimental; tests/test_stages.py: bit-identical)
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), block_v=v, state_threads=256)
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES]
     # the forward intra launch without its fused slice pass and without per-warp tiles (tests/test_stages.py:

@@ -44,7 +44,7 @@ from ._common import (CHUNK, L2NORM_EPS, LOG2E, TF32_DY, drop_params, product_re
                       segment_scan_macros, tf32_nearest, tf32_operand)
 from ._pipeline import Buf, Launch, Pipeline
 
-__all__ = ["chunk_fwd_pipeline", "inference_options", "num_chunk_slots"]
+__all__ = ["STATE_WIDE_OPTIONS", "chunk_fwd_pipeline", "inference_options", "num_chunk_slots"]
 
 SUB = 16
 # a slice's diagonal 16x16 blocks use TF32 products (anchored at each sub-chunk's row 8) when every base-2 log-decay
@@ -53,22 +53,28 @@ DIAG_HALF_RANGE = 50.0
 _VERSION = 5  # bump when the generated code changes in a way the source hash would not see
 
 
-#: An inference call gives launch 2 (the state pass) V-blocks of 64 instead of the factory's 16 / 32 when that still
-#: makes at least this many blocks (sequences x value heads x V / 64): half the blocks re-read each chunk's Y, QG,
-#: KG and Aqk through L2 (the launch is L2-bound at V-blocks of 32: 89.7% L2 throughput, ncu, session 21), which
-#: paid 15-16% at 256-1024 blocks on the H200 (session 5) and cost 1.6-2.5x at 32-64 (too few blocks for 132 SMs).
-STATE_BV64_MIN_BLOCKS = 256
+#: An inference call gives launch 2 (the state pass) one V-block of 128 per head and two consumer warpgroups
+#: (``block_v=128, state_threads=256``) instead of the factory's V-blocks of 16 / 32 when its sequences x value
+#: heads reach this many blocks (one block per SM: 214 KB of shared memory). Each head's Y, QG, KG and Aqk are then
+#: read once instead of once per V-block: at V-blocks of 32 the launch is L2-bound (89.7% L2 throughput, ncu,
+#: session 21). H100, do_bench: 0.298 ms against 0.334 at V-blocks of 64 and 0.392 at 32 (B4 T4096 H32), -7 to -11%
+#: against 64 at 128-512 heads; at 16-32 heads it is 2.6-3.9x slower than V-blocks of 32 (too few blocks for 132
+#: SMs; session 25). Before session 25 the rule chose V-blocks of 64 at the same threshold (sessions 5, 21).
+STATE_WIDE_MIN_HEADS = 128
+#: The factory options of that state pass.
+STATE_WIDE_OPTIONS = {"block_v": 128, "state_threads": 256}
 
 
 def inference_options(*, N: int, HV: int, V: int) -> dict:
     """Factory options of :func:`chunk_fwd_pipeline` for one inference call with ``N`` sequences (``HV`` value heads
-    of dim ``V``), which the runners add to ``registry.config`` (``registry.KernelOp.options_for_call``): ``block_v``
-    64 when V = 128 and ``N * HV * 2 >= STATE_BV64_MIN_BLOCKS``, else none (the factory's default). The training
-    forward keeps the default (its state pass also writes the per-chunk states the backward reads). Changes no
-    result: launch 2's products sum over K and over a chunk's rows, never over V, so the V-block width only moves
-    work between blocks (bit-identical, ``tests/test_stages.py``)."""
-    if V == 128 and N * HV * (V // 64) >= STATE_BV64_MIN_BLOCKS:
-        return {"block_v": 64}
+    of dim ``V``), which the runners add to ``registry.config`` (``registry.KernelOp.options_for_call``):
+    ``block_v=128, state_threads=256`` when V = 128 and ``N * HV >= STATE_WIDE_MIN_HEADS``, else none (the
+    factory's default). The training forward keeps the default (its state pass also writes the per-chunk states
+    the backward reads). Changes no result: launch 2's products sum over K and over a chunk's rows, never over V,
+    so the V-block width and the warpgroup split only move work between blocks and warps (bit-identical,
+    ``tests/test_stages.py``)."""
+    if V == 128 and N * HV >= STATE_WIDE_MIN_HEADS:
+        return dict(STATE_WIDE_OPTIONS)
     return {}
 
 
@@ -1090,10 +1096,11 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     bit-identical results.
     ``intra_unroll`` (experimental, off): launch 1's channel-slice loop unrolled (see ``unroll_slices`` of
     ``_intra_prim``); the same arithmetic.
-    ``state_threads`` (experimental: 128, the default, or 256): launch 2's compute threads (TileLang adds its TMA
-    producer warpgroup to either). Two warpgroups let one block take V-blocks of 128 (``block_v=128``) without
-    spilling (sm_90a: 168 registers, 214 KB of shared memory), so that Y, QG, KG and Aqk are read once per head
-    instead of once per V-block; its products sum over K and a chunk's rows as before.
+    ``state_threads`` (128, the default, or 256): launch 2's compute threads (TileLang adds its TMA producer
+    warpgroup to either). Two warpgroups let one block take V-blocks of 128 (``block_v=128``) without spilling
+    (sm_90a: 168 registers, 214 KB of shared memory), so that Y, QG, KG and Aqk are read once per head instead of
+    once per V-block; its products sum over K and a chunk's rows as before (bit-identical). Inference calls with
+    many sequences x value heads choose it (``inference_options``).
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).

@@ -36,13 +36,13 @@ def test_sass_summary_counts_per_opcode_and_region(tmp_path, capsys):
 
 def test_benchmark_imports_and_its_selftest_passes(capsys):
     """``benchmarks.bench`` imports on a CPU host and its ``--selftest`` (the report, plot and section logic on
-    synthetic rows) passes; the kernels it prebuilds include the state pass with V-blocks of 64 that its batched
-    H = 32 prefill shapes run (``kernels.chunk_fwd.inference_options``)."""
+    synthetic rows) passes; the kernels it prebuilds include the two-warpgroup state pass that its batched H = 32
+    prefill shapes run (``kernels.chunk_fwd.inference_options``)."""
     from benchmarks import bench
     from benchmarks import bench_lib as L
 
     assert bench.main(["--selftest"]) == 0
     assert "selftest:" in capsys.readouterr().out
     cfgs = [c for name, c in L.bench_kernel_configs() if name == "chunk_gdn2"]
-    assert any(c.get("block_v") == 64 and c["HV"] == 32 for c in cfgs)
+    assert any(c.get("block_v") == 128 and c.get("state_threads") == 256 and c["HV"] == 32 for c in cfgs)
     assert any("block_v" not in c and c["HV"] == 16 for c in cfgs)

@@ -782,12 +782,11 @@ def _bv_case(seed, case):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", range(4))
-def test_gpu_state_block_v64_bit_identical(case, monkeypatch):
-    """The state pass with V-blocks of 64 (what ``kernels.chunk_fwd.inference_options`` picks for many sequences x
-    heads) gives o and the final state bit-identical to the default V-blocks: its products sum over K and over a
-    chunk's rows, never over V (``kernels/build.py``'s ``_BV_CASES``: dense bf16 GVA, packed sequences with an
-    empty and a one-token one, K = 64 and the in-kernel L2 norm, fp16 with bf16 g, K = V = 64). And the public
-    torch call at B = 8, H = 32 runs the pipeline with V-blocks of 64 and equals the default's (32) bit for bit."""
+def test_gpu_state_block_v64_bit_identical(case):
+    """The state pass with V-blocks of 64 (what ``kernels.chunk_fwd.inference_options`` picked for many sequences x
+    heads before session 25) gives o and the final state bit-identical to the default V-blocks: its products sum
+    over K and over a chunk's rows, never over V (``kernels/build.py``'s ``_BV_CASES``: dense bf16 GVA, packed
+    sequences with an empty and a one-token one, K = 64 and the in-kernel L2 norm, fp16 with bf16 g, K = V = 64)."""
     import torch
 
     from kernels import registry, torch_api
@@ -800,31 +799,20 @@ def test_gpu_state_block_v64_bit_identical(case, monkeypatch):
     for n in ("o", "ht"):
         assert bool(torch.isfinite(runs[0][n].float()).all()), n
         assert torch.equal(runs[0][n], runs[1][n]), (n, float((runs[0][n].float() - runs[1][n].float()).abs().max()))
-    # the public call picks V-blocks of 64 at 8 sequences x 32 heads (K = V = 128)
-    assert op.options_for_call(N=8, HV=32, V=128) == {"block_v": 64}
-    cfg, t = _prefetch_case(5, None, 8, 100, 32, 32, 128, 128, False, "bfloat16", "float32", "spec")
-    t["h0"] = _torch(np.random.default_rng(3).standard_normal((8, 32, 128, 128)).astype(np.float32))
-    ran, run = [], torch_api.run_pipeline
-    monkeypatch.setattr(torch_api, "run_pipeline", lambda pipe, *a, **k: ran.append(pipe) or run(pipe, *a, **k))
-    o, ht = torch_api.chunk_gdn2(t["q"], t["k"], t["v"], t["g"], t["b"], t["w"], initial_state=t["h0"],
-                                 output_final_state=True)
-    assert len(ran) == 1 and ("BV", 64) in ran[0].launches[1].key  # (the public call did take V-blocks of 64)
-    ref = run(op.pipeline(**cfg), t)
-    torch.cuda.synchronize()
-    assert ("BV", 32) in op.pipeline(**cfg).launches[1].key
-    assert torch.equal(o, ref["o"]) and torch.equal(ht, ref["ht"])
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", range(4))
-def test_gpu_state_two_warpgroups_bit_identical(case):
-    """The state pass with two warpgroups and one V-block per head (experimental ``state_threads=256``,
-    ``block_v=V``) gives o and the final state bit-identical to the default launch on ``_BV_CASES`` (its products
-    sum over K and a chunk's rows, as before; dense GVA, packed sequences with an empty and a one-token one, the
-    in-kernel L2 norm, fp16 with bf16 g, K = V = 64)."""
+def test_gpu_state_two_warpgroups_bit_identical(case, monkeypatch):
+    """The state pass with two warpgroups and one V-block per head (``state_threads=256``, ``block_v=V``) gives o
+    and the final state bit-identical to the default launch on ``_BV_CASES`` (its products sum over K and a chunk's
+    rows, as before; dense GVA, packed sequences with an empty and a one-token one, the in-kernel L2 norm, fp16 with
+    bf16 g, K = V = 64). And the public torch call at B = 8, H = 32 runs that launch
+    (``kernels.chunk_fwd.inference_options``) and equals the default's (V-blocks of 32) bit for bit."""
     import torch
 
     from kernels import registry, torch_api
+    from kernels.chunk_fwd import STATE_WIDE_OPTIONS
 
     cfg, t, V_ = _bv_case(11 + case, case)
     op = registry.get("chunk_gdn2")
@@ -835,17 +823,31 @@ def test_gpu_state_two_warpgroups_bit_identical(case):
     for n in ("o", "ht"):
         assert bool(torch.isfinite(runs[0][n].float()).all()), n
         assert torch.equal(runs[0][n], runs[1][n]), (n, float((runs[0][n].float() - runs[1][n].float()).abs().max()))
+    # the public call picks the two-warpgroup launch at 8 sequences x 32 heads (K = V = 128)
+    assert op.options_for_call(N=8, HV=32, V=128) == STATE_WIDE_OPTIONS == {"block_v": 128, "state_threads": 256}
+    cfg, t = _prefetch_case(5, None, 8, 100, 32, 32, 128, 128, False, "bfloat16", "float32", "spec")
+    t["h0"] = _torch(np.random.default_rng(3).standard_normal((8, 32, 128, 128)).astype(np.float32))
+    ran, run = [], torch_api.run_pipeline
+    monkeypatch.setattr(torch_api, "run_pipeline", lambda pipe, *a, **k: ran.append(pipe) or run(pipe, *a, **k))
+    o, ht = torch_api.chunk_gdn2(t["q"], t["k"], t["v"], t["g"], t["b"], t["w"], initial_state=t["h0"],
+                                 output_final_state=True)
+    assert len(ran) == 1 and ran[0].launches[1].key == op.pipeline(**cfg, **STATE_WIDE_OPTIONS).launches[1].key
+    ref = run(op.pipeline(**cfg), t)
+    torch.cuda.synchronize()
+    assert ("BV", 32) in op.pipeline(**cfg).launches[1].key
+    assert torch.equal(o, ref["o"]) and torch.equal(ht, ref["ht"])
 
 
 @pytest.mark.cuda
 def test_gpu_vmap_chunk_takes_the_folded_batch_launch():
     """``jax.vmap`` of the jitted public ``chunk_gdn2`` over 8 problems of one sequence (H = 32, K = V = 128) runs as
-    one call of 8 sequences, which takes the state pass with V-blocks of 64 (``inference_options``); its o and final
+    one call of 8 sequences, which takes the two-warpgroup state pass (``inference_options``); its o and final
     state equal the 8 problems called one by one (V-blocks of 32) and one B = 8 call, bit for bit."""
     import re
 
     import gdn2_jax
     from kernels import _compile, registry
+    from kernels.chunk_fwd import STATE_WIDE_OPTIONS
 
     M, T, H, D = 8, 100, 32, 128
     xs = [_gpu_inputs(60 + i, 1, T, H, H, D, D, False, "spec") for i in range(M)]
@@ -860,9 +862,9 @@ def test_gpu_vmap_chunk_takes_the_folded_batch_launch():
     vf = jax.jit(jax.vmap(f))
     cfg = registry.config(H=H, HV=H, K=D, V=D, dtype="bfloat16", g_dtype="float32", scale=D ** -0.5,
                           use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
-    bv64 = registry.get("chunk_gdn2").pipeline(**cfg, block_v=64).launches[1]
+    wide = registry.get("chunk_gdn2").pipeline(**cfg, **STATE_WIDE_OPTIONS).launches[1]
     targets = re.findall(r"custom_call @(\w+)\(", vf.lower(*args).as_text())
-    assert any(t.startswith(_compile.target_name(bv64, _compile.device_arch(0))) for t in targets), targets
+    assert any(t.startswith(_compile.target_name(wide, _compile.device_arch(0))) for t in targets), targets
     ov, hv = vf(*args)
     one = [jax.jit(f)(*(a[i] for a in args)) for i in range(M)]
     ob, hb = jax.jit(f)(*(a[:, 0] for a in args[:6]), args[6][:, 0])

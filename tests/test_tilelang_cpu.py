@@ -152,20 +152,23 @@ def test_lowering_chunk_custom_calls():
 
 
 def test_chunk_state_block_v_chosen_per_inference_call():
-    """``chunk_gdn2``'s inference calls give the state pass V-blocks of 64 where sequences x value heads x V / 64
-    reaches ``STATE_BV64_MIN_BLOCKS`` (V = 128 only), the factory default otherwise; ops without a per-call rule
-    add nothing. The JAX path lowers to that pipeline's launches (B = 8, H = 32: the bv64 state launch; B = 1: the
-    default's; ``jax.vmap`` over 8 problems of B = 1: the folded batch's choice; 4 packed sequences: N from
-    ``cu_seqlens``), and a gradient keeps the training pipelines of the default."""
-    from kernels.chunk_fwd import STATE_BV64_MIN_BLOCKS, chunk_fwd_pipeline
+    """``chunk_gdn2``'s inference calls give the state pass two warpgroups and one V-block of 128 per head where
+    sequences x value heads reach ``STATE_WIDE_MIN_HEADS`` (V = 128 only), the factory default otherwise; ops
+    without a per-call rule add nothing. The JAX path lowers to that pipeline's launches (B = 8, H = 32: the wide
+    state launch; B = 1: the default's; ``jax.vmap`` over 8 problems of B = 1: the folded batch's choice; 4 packed
+    sequences: N from ``cu_seqlens``), and a gradient keeps the training pipelines of the default."""
+    from kernels.chunk_fwd import STATE_WIDE_MIN_HEADS, STATE_WIDE_OPTIONS, chunk_fwd_pipeline
 
     op = registry.get("chunk_gdn2")
-    assert STATE_BV64_MIN_BLOCKS == 256
-    assert op.options_for_call(N=4, HV=32, V=128) == {"block_v": 64}
-    assert op.options_for_call(N=8, HV=16, V=128) == {"block_v": 64}
+    assert STATE_WIDE_MIN_HEADS == 128 and STATE_WIDE_OPTIONS == {"block_v": 128, "state_threads": 256}
+    assert op.options_for_call(N=4, HV=32, V=128) == STATE_WIDE_OPTIONS
+    assert op.options_for_call(N=8, HV=16, V=128) == STATE_WIDE_OPTIONS
     assert op.options_for_call(N=3, HV=32, V=128) == {} and op.options_for_call(N=1, HV=32, V=128) == {}
     assert op.options_for_call(N=64, HV=32, V=64) == {}
     assert registry.get("fused_recurrent_gdn2").options_for_call(N=128, HV=32, V=128) == {}
+    # (each call gets its own dict: a caller that changes it cannot change the rule)
+    op.options_for_call(N=4, HV=32, V=128).clear()
+    assert op.options_for_call(N=4, HV=32, V=128) == STATE_WIDE_OPTIONS
 
     def f(q, k, v, g, b, w, h0):
         return gdn2_jax.chunk_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True, backend="tilelang")
@@ -178,13 +181,13 @@ def test_chunk_state_block_v_chosen_per_inference_call():
 
     kw = dict(H=32, HV=32, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
               use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
-    plain, bv64 = chunk_fwd_pipeline(**kw), chunk_fwd_pipeline(**kw, block_v=64)
-    assert target(plain, 0) == target(bv64, 0) and target(plain, 1) != target(bv64, 1)
-    assert names(_lower(f, _specs(8, 64, 32, 32, 128, 128))) == [target(bv64, 0), target(bv64, 1)]
+    plain, wide = chunk_fwd_pipeline(**kw), chunk_fwd_pipeline(**kw, **STATE_WIDE_OPTIONS)
+    assert target(plain, 0) == target(wide, 0) and target(plain, 1) != target(wide, 1)
+    assert names(_lower(f, _specs(8, 64, 32, 32, 128, 128))) == [target(wide, 0), target(wide, 1)]
     assert names(_lower(f, _specs(1, 64, 32, 32, 128, 128))) == [target(plain, 0), target(plain, 1)]
     # under vmap the choice follows the folded batch: 8 problems of one sequence are one call of 8 sequences
     mapped = [S((8,) + x.shape, x.dtype) for x in _specs(1, 64, 32, 32, 128, 128)]
-    assert names(_lower(jax.vmap(f), mapped)) == [target(bv64, 0), target(bv64, 1)]
+    assert names(_lower(jax.vmap(f), mapped)) == [target(wide, 0), target(wide, 1)]
     # packed sequences: N = len(cu_seqlens) - 1 (4 sequences x 32 heads)
 
     def fv(q, k, v, g, b, w, h0, cu):
@@ -192,9 +195,9 @@ def test_chunk_state_block_v_chosen_per_inference_call():
                                    backend="tilelang")
 
     kwv = dict(kw, varlen=True)
-    v64 = chunk_fwd_pipeline(**kwv, block_v=64)
+    vwide = chunk_fwd_pipeline(**kwv, **STATE_WIDE_OPTIONS)
     specs = _specs(1, 256, 32, 32, 128, 128, N=4) + [S((5,), jnp.int32)]
-    assert names(_lower(fv, specs)) == [target(v64, 0), target(v64, 1)]
+    assert names(_lower(fv, specs)) == [target(vwide, 0), target(vwide, 1)]
 
     def loss(q, k, v, g, b, w, h0):
         o, ht = f(q, k, v, g, b, w, h0)
@@ -205,8 +208,9 @@ def test_chunk_state_block_v_chosen_per_inference_call():
 
     cfg = registry.config(**kw)
     tr = op.pipeline(**cfg, save_states=True, **training_forward_options(op.backward_pipeline(**cfg)))
-    tr64 = op.pipeline(**cfg, save_states=True, block_v=64, **training_forward_options(op.backward_pipeline(**cfg)))
-    assert target(tr, 1) in train and target(tr64, 1) not in train
+    trw = op.pipeline(**cfg, save_states=True, **STATE_WIDE_OPTIONS,
+                      **training_forward_options(op.backward_pipeline(**cfg)))
+    assert target(tr, 1) in train and target(trw, 1) not in train
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
