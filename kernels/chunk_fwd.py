@@ -473,14 +473,25 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     def kc_rows(Kca, ib, kl, gl, a, fast, tx):
         # (warp_tiles) this thread's rows (tx // 32) * 8 + i of sub-chunk ib's Kc operand, k_s = kl[i], G_s = gl[i],
         # a = the sub-chunk's anchor: kc_operand's values, with the row's place known per warp (its sub-chunk
-        # tx // 64 is before ib, or ib itself) instead of compared row by row
-        for i in T.unroll(SEG):
-            if ib == 0:  # (rows < 16 only: the diagonal block)
-                Kca[(tx // DC) * SEG + i, tx % DC] = tfr(T.if_then_else(fast != 0, kl[i] * T.exp2(a - gl[i]), 0.0))
+        # tx // 64 is before ib, or ib itself) instead of compared row by row. The three cases are branches around
+        # whole row loops (the conditions are warp- or block-uniform): as one select per row, nvcc branched around
+        # each row's exponential and re-evaluated the condition there (4 of the row's 7 instructions, session 25)
+        if ib == 0:  # (rows < 16 only: the diagonal block)
+            if fast != 0:
+                for i in T.unroll(SEG):
+                    Kca[(tx // DC) * SEG + i, tx % DC] = tfr(kl[i] * T.exp2(a - gl[i]))
             else:
-                Kca[KOFF[ib] + (tx // DC) * SEG + i, tx % DC] = tfr(kl[i] * T.if_then_else(
-                    tx // (2 * DC) < ib or fast != 0,
-                    T.exp2(T.if_then_else(tx // (2 * DC) < ib, T.min(a - gl[i], 0.0), a - gl[i])), 0.0))
+                for i in T.unroll(SEG):
+                    Kca[(tx // DC) * SEG + i, tx % DC] = tfr(T.float32(0.0))
+        elif tx // (2 * DC) < ib:  # rows before the sub-chunk: the decay clamped at 1
+            for i in T.unroll(SEG):
+                Kca[KOFF[ib] + (tx // DC) * SEG + i, tx % DC] = tfr(kl[i] * T.exp2(T.min(a - gl[i], 0.0)))
+        elif fast != 0:  # rows inside it on a fast slice: the diagonal block anchored at G_(n+8)
+            for i in T.unroll(SEG):
+                Kca[KOFF[ib] + (tx // DC) * SEG + i, tx % DC] = tfr(kl[i] * T.exp2(a - gl[i]))
+        else:  # (exact slice: the diagonal block is summed in fp32 elsewhere; the operand's rows are zero)
+            for i in T.unroll(SEG):
+                Kca[KOFF[ib] + (tx // DC) * SEG + i, tx % DC] = tfr(kl[i] * T.float32(0.0))
 
     @T.macro
     def warp_store(ib, n0, nn, wacc, Qk, Tm, lane):

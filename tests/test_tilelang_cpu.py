@@ -549,6 +549,14 @@ def test_forward_intra_warp_tiles_key_errors_and_tiles(tmp_path):
     mma = [line for line in src.splitlines() if "mma_sync<tl::DataType::kTensorFloat32" in line]
     assert sum("(&(wacc[" in line for line in mma) == 6  # (one call site per warp role)
     assert sum("(&(wacc[" not in line for line in mma) == 2  # (the blocked solve's two 32^3 products)
+    # the Kc operands (kc_rows, session 25): one branch per sub-chunk around whole row loops, no per-row select.
+    # Sub-chunks 1-3 have three row loops each (before the sub-chunk, inside it on a fast slice, zero), sub-chunk 0
+    # two (fast, zero); every store is k 2^(...) or zero, none a selected value
+    kc = [line.strip() for line in src.splitlines() if line.strip().startswith("((float*)Kca)[")]
+    assert len(kc) == 3 * 3 + 2, kc
+    assert all(re.fullmatch(r"\(\(float\*\)Kca\)\[.*\] = (\(kl\[i_\d+\] \* exp2f\(.*\)\)|0x0p\+0f/\*0\.000000e\+00\*/);",
+                            line) for line in kc), kc
+    assert sum("exp2f(min(" in line for line in kc) == 3 and not any("condval" in line for line in kc)
     nvcc = shutil.which("nvcc")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout if nvcc else ""
     if "release 13.0" in version:
