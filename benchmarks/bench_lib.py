@@ -53,6 +53,24 @@ def git_state() -> dict:
     return out
 
 
+#: the code a benchmark measures: the kernels, the JAX package and the benchmark itself (``source_digest``)
+DIGEST_DIRS = ("kernels", "gdn2_jax", "benchmarks")
+
+
+def source_digest(root=None) -> str:
+    """SHA-256 (hex) over the ``*.py`` files under ``DIGEST_DIRS`` of ``root`` (default: this checkout), each as
+    its path relative to ``root`` and its bytes, in sorted order: the same value for the same code, so that a run
+    on a dirty tree can still be matched to the commit that holds that code."""
+    import hashlib
+
+    root = Path(root) if root is not None else REPO
+    h = hashlib.sha256()
+    for d in DIGEST_DIRS:
+        for f in sorted((root / d).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def env_info() -> dict:
     """The contract's ``env`` keys (gpu, driver, jax, jaxlib, torch, triton, tilelang, fla, commit) and a few more."""
     env = {"gpu": None, "driver": None}
@@ -87,6 +105,7 @@ def env_info() -> dict:
         if v is not None:
             env[dist] = v
     env.update(git_state())
+    env["source_digest"] = source_digest()  # (kernels/, gdn2_jax/, benchmarks/: see source_digest)
     env["python"] = platform.python_version()
     env["host"] = platform.node()
     env["cpus"] = os.cpu_count()

@@ -74,7 +74,9 @@ def markdown(res: dict) -> str:
          f"GPU {env.get('gpu')} (cc {env.get('capability', '?')}), driver {env.get('driver')}; jax {env.get('jax')}, "
          f"jaxlib {env.get('jaxlib')}, torch {env.get('torch')}, triton {env.get('triton')}, tilelang "
          f"{env.get('tilelang')}, FLA {env.get('fla')}. Commit `{commit}`"
-         + (" (working tree dirty: uncommitted changes)" if dirty else " (clean)" if dirty is False else "") + ".",
+         + (" (working tree dirty: uncommitted changes)" if dirty else " (clean)" if dirty is False else "") + "."
+         + (f" Source digest `{env['source_digest'][:16]}` (`benchmarks.bench_lib.source_digest`: kernels/, gdn2_jax/, "
+            "benchmarks/)." if env.get("source_digest") else ""),
          ""]
     if copy.get("TBps"):
         L += [f"**Device-to-device copy bandwidth measured in this run: {copy['TBps']:.2f} TB/s** (read + write counted; "

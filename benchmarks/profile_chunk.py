@@ -39,7 +39,7 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "gemm_tiles": {"warp_tiles": False},  # (the anchored products as per-warp tiles: the default, session 23)
             "frag_stores": {"smem_epilogue": False},  # (Y / U through shared memory: the default, session 24)
             "unrolled": {"intra_unroll": True},  # (experimental: the slice loop unrolled, session 24)
-            "bv128w": {"block_v": 128, "state_threads": 256}}  # (experimental: the state pass, 2 warpgroups)
+            "bv128w": {"block_v": 128, "state_threads": 256}}  # (the state pass, 2 warpgroups: inference calls, session 25)
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):

@@ -147,9 +147,9 @@ def preset(name: str) -> list[dict]:
               dict(cfg(4, 4, 128), z_split=True, intra_prefetch=False), dict(cfg(4, 4, 128), qg_split=True)]
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
         dict(cfg(2, 4, 128), aqk_split=False), dict(cfg(2, 4, 128), exact_diag=True)]
-    # the state pass with two warpgroups and one V-block of 128 that inference calls with many sequences x heads
-    # choose (kernels.chunk_fwd.inference_options): serving and benchmark head counts
-    serving += [dict(c, **STATE_WIDE_OPTIONS) for c in serving]
+    # the state passes that inference calls with many sequences x heads choose (kernels.chunk_fwd.inference_options:
+    # two warpgroups and one V-block of 128, or V-blocks of 64): serving and benchmark head counts
+    serving += [dict(c, **opt) for c in serving for opt in (STATE_WIDE_OPTIONS, {"block_v": 64})]
     bench += [dict(cfg(32, 32, 128), **STATE_WIDE_OPTIONS)]
     # the tests' bit-identity cases (tests/test_stages.py): V-blocks of 64, and two warpgroups with V-blocks of V
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), **({"block_v": 64} if bv else {}))

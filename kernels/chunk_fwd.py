@@ -53,29 +53,42 @@ DIAG_HALF_RANGE = 50.0
 _VERSION = 5  # bump when the generated code changes in a way the source hash would not see
 
 
-#: An inference call gives launch 2 (the state pass) one V-block of 128 per head and two consumer warpgroups
-#: (``block_v=128, state_threads=256``) instead of the factory's V-blocks of 16 / 32 when its sequences x value
-#: heads reach this many blocks (one block per SM: 214 KB of shared memory). Each head's Y, QG, KG and Aqk are then
-#: read once instead of once per V-block: at V-blocks of 32 the launch is L2-bound (89.7% L2 throughput, ncu,
-#: session 21). H100, do_bench: 0.298 ms against 0.334 at V-blocks of 64 and 0.392 at 32 (B4 T4096 H32), -7 to -11%
-#: against 64 at 128-512 heads; at 16-32 heads it is 2.6-3.9x slower than V-blocks of 32 (too few blocks for 132
-#: SMs; session 25). Before session 25 the rule chose V-blocks of 64 at the same threshold (sessions 5, 21).
+#: The state pass (launch 2) of an inference call: one V-block of 128 per head and two consumer warpgroups
+#: (``STATE_WIDE_OPTIONS``), V-blocks of 64, or the factory's V-blocks of 32, chosen per call by sequences x value
+#: heads (``inference_options``). Each option fits one block per SM (214, 169 and 149 KB of shared memory at
+#: K = V = 128), so the launch runs in waves of ``STATE_RULE_SMS`` blocks, and wider V-blocks read each head's Y,
+#: QG, KG and Aqk fewer times (at V-blocks of 32 the launch is L2-bound: 89.7% L2 throughput, ncu, session 21).
+#: ``_STATE_CHOICES``: (options, blocks per head, µs per block and chunk with every SM busy), from H100 do_bench times
+#: at B4 T4096 H32 (session 25, call A): 0.298 ms for the wide pass's one wave of 64-chunk blocks, 0.334 for V-blocks
+#: of 64 (two waves), 0.392 for 32 (four). The rule takes the option with the fewest waves x that time, so that a
+#: partly filled last wave is counted whole. Measured where it chooses the wide pass: -7 to -11% against V-blocks of
+#: 64 at 128, 256 and 512 heads (H100, session 25); between whole waves (e.g. 160 or 192 heads) it keeps the
+#: narrower blocks, by the model only (not measured there). Below ``STATE_WIDE_MIN_HEADS`` heads the factory default
+#: stays (too few blocks for the wider options: 2.6-3.9x slower at 16-32 heads, session 25; V-blocks of 64 cost
+#: 1.6-2.5x at 32-64 blocks, session 21).
 STATE_WIDE_MIN_HEADS = 128
-#: The factory options of that state pass.
+#: The factory options of the wide state pass.
 STATE_WIDE_OPTIONS = {"block_v": 128, "state_threads": 256}
+#: SMs the rule assumes (H100 and H200 SXM).
+STATE_RULE_SMS = 132
+_STATE_CHOICES = ((STATE_WIDE_OPTIONS, 1, 0.298e3 / 64), ({"block_v": 64}, 2, 0.334e3 / 128), ({}, 4, 0.392e3 / 256))
 
 
 def inference_options(*, N: int, HV: int, V: int) -> dict:
     """Factory options of :func:`chunk_fwd_pipeline` for one inference call with ``N`` sequences (``HV`` value heads
-    of dim ``V``), which the runners add to ``registry.config`` (``registry.KernelOp.options_for_call``):
-    ``block_v=128, state_threads=256`` when V = 128 and ``N * HV >= STATE_WIDE_MIN_HEADS``, else none (the
+    of dim ``V``), which the runners add to ``registry.config`` (``registry.KernelOp.options_for_call``): for
+    V = 128 and ``N * HV >= STATE_WIDE_MIN_HEADS``, the state-pass option of ``_STATE_CHOICES`` with the least
+    modelled time (waves of ``STATE_RULE_SMS`` blocks x time per block; ties go to the wider V-block), e.g.
+    ``STATE_WIDE_OPTIONS`` at 128, 256 and 512 heads, ``{"block_v": 64}`` at 192, none at 160; otherwise none (the
     factory's default). The training forward keeps the default (its state pass also writes the per-chunk states
     the backward reads). Changes no result: launch 2's products sum over K and over a chunk's rows, never over V,
     so the V-block width and the warpgroup split only move work between blocks and warps (bit-identical,
     ``tests/test_stages.py``)."""
-    if V == 128 and N * HV >= STATE_WIDE_MIN_HEADS:
-        return dict(STATE_WIDE_OPTIONS)
-    return {}
+    heads = N * HV
+    if V != 128 or heads < STATE_WIDE_MIN_HEADS:
+        return {}
+    opts, _, _ = min(_STATE_CHOICES, key=lambda c: -(-heads * c[1] // STATE_RULE_SMS) * c[2])
+    return dict(opts)
 
 
 def num_chunk_slots(T: int, N: int, varlen: bool) -> int:

@@ -46,3 +46,35 @@ def test_benchmark_imports_and_its_selftest_passes(capsys):
     cfgs = [c for name, c in L.bench_kernel_configs() if name == "chunk_gdn2"]
     assert any(c.get("block_v") == 128 and c.get("state_threads") == 256 and c["HV"] == 32 for c in cfgs)
     assert any("block_v" not in c and c["HV"] == 16 for c in cfgs)
+    # every launch of every prefill grid shape's pipeline, with the options its public call chooses, is prebuilt
+    from kernels import build, registry
+
+    prebuilt = {build._pipe(n, kw, part).launches[i].key
+                for n, kw, part, i, _ in build.plan(cfgs, ("chunk_gdn2",), "sm_90a")}
+    for B, _, H in bench.PREFILL_GRID:
+        call = registry.get("chunk_gdn2").options_for_call(N=B, HV=H, V=L.D)
+        for la in L.chunk_pipeline(H, H, **call).launches:
+            assert la.key in prebuilt, (B, H, call, la.name)
+
+
+def test_source_digest_follows_the_measured_code(tmp_path):
+    """``env.source_digest`` of the benchmark JSON names the code a run measured (kernels, the JAX package, the
+    benchmark): a copy of those files digests the same as the checkout, one changed byte in a kernel changes it,
+    and files that are not Python source do not."""
+    import shutil
+
+    from benchmarks import bench_lib as L
+
+    for d in L.DIGEST_DIRS:
+        for f in (L.REPO / d).rglob("*.py"):
+            dst = tmp_path / f.relative_to(L.REPO)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst)
+    base = L.source_digest()
+    assert len(base) == 64 and L.source_digest(tmp_path) == base
+    (tmp_path / "kernels" / "notes.txt").write_text("not code")
+    assert L.source_digest(tmp_path) == base
+    k = tmp_path / "kernels" / "chunk_fwd.py"
+    k.write_bytes(k.read_bytes() + b"\n")
+    assert L.source_digest(tmp_path) != base
+    assert L.env_info()["source_digest"] == base

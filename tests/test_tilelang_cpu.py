@@ -152,9 +152,9 @@ def test_lowering_chunk_custom_calls():
 
 
 def test_chunk_state_block_v_chosen_per_inference_call():
-    """``chunk_gdn2``'s inference calls give the state pass two warpgroups and one V-block of 128 per head where
-    sequences x value heads reach ``STATE_WIDE_MIN_HEADS`` (V = 128 only), the factory default otherwise; ops
-    without a per-call rule add nothing. The JAX path lowers to that pipeline's launches (B = 8, H = 32: the wide
+    """``chunk_gdn2``'s inference calls give the state pass two warpgroups and one V-block of 128 per head, or
+    V-blocks of 64, where sequences x value heads reach ``STATE_WIDE_MIN_HEADS`` (V = 128 only), by the waves each
+    option takes on 132 SMs; the factory default otherwise; ops without a per-call rule add nothing. The JAX path lowers to that pipeline's launches (B = 8, H = 32: the wide
     state launch; B = 1: the default's; ``jax.vmap`` over 8 problems of B = 1: the folded batch's choice; 4 packed
     sequences: N from ``cu_seqlens``), and a gradient keeps the training pipelines of the default."""
     from kernels.chunk_fwd import STATE_WIDE_MIN_HEADS, STATE_WIDE_OPTIONS, chunk_fwd_pipeline
@@ -163,7 +163,12 @@ def test_chunk_state_block_v_chosen_per_inference_call():
     assert STATE_WIDE_MIN_HEADS == 128 and STATE_WIDE_OPTIONS == {"block_v": 128, "state_threads": 256}
     assert op.options_for_call(N=4, HV=32, V=128) == STATE_WIDE_OPTIONS
     assert op.options_for_call(N=8, HV=16, V=128) == STATE_WIDE_OPTIONS
+    assert op.options_for_call(N=16, HV=32, V=128) == STATE_WIDE_OPTIONS  # (512 heads: 4 waves, V-blocks of 64 8)
     assert op.options_for_call(N=3, HV=32, V=128) == {} and op.options_for_call(N=1, HV=32, V=128) == {}
+    # between whole waves the narrower blocks: 160 heads (wide 2 waves x 4.66 us, V-blocks of 64 3 x 2.61, of 32
+    # 5 x 1.53 per block and chunk), 192 (2 x 4.66, 3 x 2.61, 6 x 1.53)
+    assert op.options_for_call(N=5, HV=32, V=128) == {} and op.options_for_call(N=6, HV=32, V=128) == {"block_v": 64}
+    assert op.options_for_call(N=132, HV=1, V=128) == STATE_WIDE_OPTIONS and op.options_for_call(N=133, HV=1, V=128) == {}
     assert op.options_for_call(N=64, HV=32, V=64) == {}
     assert registry.get("fused_recurrent_gdn2").options_for_call(N=128, HV=32, V=128) == {}
     # (each call gets its own dict: a caller that changes it cannot change the rule)
@@ -1141,7 +1146,7 @@ def _kernels_to_build():
         out.append((f"chunk-varlen{varlen}", registry.get("chunk_gdn2").pipeline(
             H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
             use_initial_state=True, output_final_state=True, varlen=varlen, use_qk_l2norm=varlen)))
-    out.append(("chunk-precision-options", registry.get("chunk_gdn2").pipeline(  # experimental, off by default
+    out.append(("chunk-precision-options", registry.get("chunk_gdn2").pipeline(  # (precision options, off by default)
         H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5, use_initial_state=True,
         output_final_state=True, varlen=True, use_qk_l2norm=False, tf32_round=True, exact_self=True,
         aqk_split=True)))
