@@ -59,15 +59,22 @@ DIGEST_DIRS = ("kernels", "gdn2_jax", "benchmarks")
 
 def source_digest(root=None) -> str:
     """SHA-256 (hex) over the ``*.py`` files under ``DIGEST_DIRS`` of ``root`` (default: this checkout), each as
-    its path relative to ``root`` and its bytes, in sorted order: the same value for the same code, so that a run
-    on a dirty tree can still be matched to the commit that holds that code."""
+    its path relative to ``root`` and its bytes, in sorted path order: the same value for the same code, so that a
+    run on a dirty tree can still be matched to the commit that holds that code. Skips what is not a regular file
+    (e.g. an editor's lock link) and every path with a part that starts with ``.`` or is ``__pycache__``."""
     import hashlib
 
     root = Path(root) if root is not None else REPO
-    h = hashlib.sha256()
+    files = []
     for d in DIGEST_DIRS:
-        for f in sorted((root / d).rglob("*.py")):
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        for f in (root / d).rglob("*.py"):
+            rel = f.relative_to(root)
+            if f.is_file() and not f.is_symlink() and not any(p.startswith(".") or p == "__pycache__"
+                                                               for p in rel.parts):
+                files.append((rel.as_posix(), f))
+    h = hashlib.sha256()
+    for rel, f in sorted(files):
+        h.update(rel.encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -105,7 +112,10 @@ def env_info() -> dict:
         if v is not None:
             env[dist] = v
     env.update(git_state())
-    env["source_digest"] = source_digest()  # (kernels/, gdn2_jax/, benchmarks/: see source_digest)
+    try:  # (kernels/, gdn2_jax/, benchmarks/: see source_digest)
+        env["source_digest"] = source_digest()
+    except OSError as e:  # (an unreadable file: the run goes on without it)
+        env["source_digest_error"] = f"{type(e).__name__}: {e}"[:200]
     env["python"] = platform.python_version()
     env["host"] = platform.node()
     env["cpus"] = os.cpu_count()

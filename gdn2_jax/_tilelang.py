@@ -232,7 +232,7 @@ def _make_op(p: Problem, names: tuple, cfg: tuple, inplace: bool, cuda_graph: bo
     def run(*arrays):
         a = dict(zip(names, arrays))
         n_seq = a["cu_seqlens"].shape[0] - 1 if varlen else a["q"].shape[0]
-        call = op.options_for_call(N=n_seq, HV=cfg_d["HV"], V=cfg_d["V"])
+        call = op.options_for_call(N=n_seq, HV=cfg_d["HV"], V=cfg_d["V"], varlen=varlen)
         res = run_pipeline(op.pipeline(**cfg_d, **call) if call else pipe, a, inplace=inplace, cuda_graph=cuda_graph)
         return tuple(res[n] for n in out_names)
 

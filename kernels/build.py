@@ -148,9 +148,11 @@ def preset(name: str) -> list[dict]:
     tests = tests + [dict(cfg(4, 4, 128), **opt) for opt in precision] + [
         dict(cfg(2, 4, 128), aqk_split=False), dict(cfg(2, 4, 128), exact_diag=True)]
     # the state passes that inference calls with many sequences x heads choose (kernels.chunk_fwd.inference_options:
-    # two warpgroups and one V-block of 128, or V-blocks of 64): serving and benchmark head counts
-    serving += [dict(c, **opt) for c in serving for opt in (STATE_WIDE_OPTIONS, {"block_v": 64})]
+    # two warpgroups and one V-block of 128, or V-blocks of 64 or 32): serving and benchmark head counts, and the
+    # public calls of tests/test_stages.py's state-pass tests
+    serving += [dict(c, **opt) for c in serving for opt in (STATE_WIDE_OPTIONS, {"block_v": 64}, {"block_v": 32})]
     bench += [dict(cfg(32, 32, 128), **STATE_WIDE_OPTIONS)]
+    tests += [dict(cfg(32, 32, 128), **opt) for opt in ({}, STATE_WIDE_OPTIONS, {"block_v": 64})]
     # the tests' bit-identity cases (tests/test_stages.py): V-blocks of 64, and two warpgroups with V-blocks of V
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), **({"block_v": 64} if bv else {}))
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES for bv in (False, True)]

@@ -54,38 +54,44 @@ _VERSION = 5  # bump when the generated code changes in a way the source hash wo
 
 
 #: The state pass (launch 2) of an inference call: one V-block of 128 per head and two consumer warpgroups
-#: (``STATE_WIDE_OPTIONS``), V-blocks of 64, or the factory's V-blocks of 32, chosen per call by sequences x value
-#: heads (``inference_options``). Each option fits one block per SM (214, 169 and 149 KB of shared memory at
+#: (``STATE_WIDE_OPTIONS``), V-blocks of 64, or V-blocks of 32, chosen per call by sequences x value heads
+#: (``inference_options``). Each option runs one block per SM (209, 169 and 149 KiB of shared memory at
 #: K = V = 128), so the launch runs in waves of ``STATE_RULE_SMS`` blocks, and wider V-blocks read each head's Y,
 #: QG, KG and Aqk fewer times (at V-blocks of 32 the launch is L2-bound: 89.7% L2 throughput, ncu, session 21).
 #: ``_STATE_CHOICES``: (options, blocks per head, µs per block and chunk with every SM busy), from H100 do_bench times
 #: at B4 T4096 H32 (session 25, call A): 0.298 ms for the wide pass's one wave of 64-chunk blocks, 0.334 for V-blocks
 #: of 64 (two waves), 0.392 for 32 (four). The rule takes the option with the fewest waves x that time, so that a
-#: partly filled last wave is counted whole. Measured where it chooses the wide pass: -7 to -11% against V-blocks of
-#: 64 at 128, 256 and 512 heads (H100, session 25); between whole waves (e.g. 160 or 192 heads) it keeps the
-#: narrower blocks, by the model only (not measured there). Below ``STATE_WIDE_MIN_HEADS`` heads the factory default
-#: stays (too few blocks for the wider options: 2.6-3.9x slower at 16-32 heads, session 25; V-blocks of 64 cost
-#: 1.6-2.5x at 32-64 blocks, session 21).
+#: partly filled last wave is counted whole (with fewer blocks in flight a block runs faster, down to 3.8, 2.4 and
+#: 1.0 µs per chunk in calls A and D: the model overcounts a partial wave). Measured where it chooses the wide pass:
+#: -7 to -11% against V-blocks of 64 at 128, 256 and 512 heads (H100, session 25); between whole waves (133-198,
+#: 265-330, 397-462 heads) it takes the narrower blocks by the model only (not measured there). Below
+#: ``STATE_WIDE_MIN_HEADS`` heads the factory default stays (V-blocks of 32, or 16 below 32 value heads; the wider
+#: options are 2.6-3.9x slower at 16-32 heads, session 25; V-blocks of 64 cost 1.6-2.5x at 32-64 blocks, session
+#: 21), and so it does for packed sequences (``varlen``): their lengths are not known when the call is traced, and
+#: one long sequence sets the launch's time, its heads' work on 1, 2 or 4 blocks per head (B1 T32768 H32: the wide
+#: pass 2.6x, V-blocks of 64 1.6x the default's time, session 25 call A).
 STATE_WIDE_MIN_HEADS = 128
 #: The factory options of the wide state pass.
 STATE_WIDE_OPTIONS = {"block_v": 128, "state_threads": 256}
-#: SMs the rule assumes (H100 and H200 SXM).
+#: SMs the rule assumes (H100 and H200 SXM; an H100 PCIe has 114).
 STATE_RULE_SMS = 132
-_STATE_CHOICES = ((STATE_WIDE_OPTIONS, 1, 0.298e3 / 64), ({"block_v": 64}, 2, 0.334e3 / 128), ({}, 4, 0.392e3 / 256))
+_STATE_CHOICES = ((STATE_WIDE_OPTIONS, 1, 0.298e3 / 64), ({"block_v": 64}, 2, 0.334e3 / 128),
+                  ({"block_v": 32}, 4, 0.392e3 / 256))
 
 
-def inference_options(*, N: int, HV: int, V: int) -> dict:
+def inference_options(*, N: int, HV: int, V: int, varlen: bool = False) -> dict:
     """Factory options of :func:`chunk_fwd_pipeline` for one inference call with ``N`` sequences (``HV`` value heads
-    of dim ``V``), which the runners add to ``registry.config`` (``registry.KernelOp.options_for_call``): for
-    V = 128 and ``N * HV >= STATE_WIDE_MIN_HEADS``, the state-pass option of ``_STATE_CHOICES`` with the least
-    modelled time (waves of ``STATE_RULE_SMS`` blocks x time per block; ties go to the wider V-block), e.g.
-    ``STATE_WIDE_OPTIONS`` at 128, 256 and 512 heads, ``{"block_v": 64}`` at 192, none at 160; otherwise none (the
-    factory's default). The training forward keeps the default (its state pass also writes the per-chunk states
-    the backward reads). Changes no result: launch 2's products sum over K and over a chunk's rows, never over V,
-    so the V-block width and the warpgroup split only move work between blocks and warps (bit-identical,
-    ``tests/test_stages.py``)."""
+    of dim ``V``; ``varlen``: packed sequences), which the runners add to ``registry.config``
+    (``registry.KernelOp.options_for_call``): for V = 128, equal-length sequences and ``N * HV >=
+    STATE_WIDE_MIN_HEADS``, the state-pass option of ``_STATE_CHOICES`` with the least modelled time (waves of
+    ``STATE_RULE_SMS`` blocks x time per block; ties go to the wider V-block): ``STATE_WIDE_OPTIONS`` at 128-132,
+    199-264, 331-396 and from 463 heads, ``{"block_v": 64}`` at 166-198, 265-330 and 397-462, ``{"block_v": 32}`` at
+    133-165; otherwise none (the factory's default). The training forward keeps the default (its state pass also
+    writes the per-chunk states the backward reads). Changes no result: launch 2's products sum over K and over a
+    chunk's rows, never over V, so the V-block width and the warpgroup split only move work between blocks and
+    warps (bit-identical, ``tests/test_stages.py``)."""
     heads = N * HV
-    if V != 128 or heads < STATE_WIDE_MIN_HEADS:
+    if V != 128 or varlen or heads < STATE_WIDE_MIN_HEADS:
         return {}
     opts, _, _ = min(_STATE_CHOICES, key=lambda c: -(-heads * c[1] // STATE_RULE_SMS) * c[2])
     return dict(opts)

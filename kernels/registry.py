@@ -84,15 +84,17 @@ class KernelOp:
     support: Support
     xla: str
     backward: str | None = None  # factory of the backward kernels (same config; the forward with save_states)
-    call_options: str | None = None  # ``f(*, N, HV, V) -> dict``: factory options chosen per inference call
+    call_options: str | None = None  # ``f(*, N, HV, V, varlen) -> dict``: factory options chosen per inference call
 
-    def options_for_call(self, *, N: int, HV: int, V: int) -> dict:
+    def options_for_call(self, *, N: int, HV: int, V: int, varlen: bool = False) -> dict:
         """Factory options (a dict of keyword arguments) that the runners add to :func:`config` for the
         inference pipeline of one call: ``N`` sequences (the batch B, or ``len(cu_seqlens) - 1`` for packed
-        sequences; under ``jax.vmap`` the folded batch), ``HV`` value heads of dim ``V``. Launch shapes chosen from
-        the batch, e.g. ``chunk_gdn2``'s state-pass V-block (``kernels.chunk_fwd.inference_options``); the training
-        pipelines keep the defaults. ``{}`` for ops without such a rule (``call_options`` None)."""
-        return dict(resolve(self.call_options)(N=int(N), HV=int(HV), V=int(V))) if self.call_options else {}
+        sequences, ``varlen=True``; under ``jax.vmap`` the folded batch), ``HV`` value heads of dim ``V``. Launch
+        shapes chosen from the batch, e.g. ``chunk_gdn2``'s state-pass V-block (``kernels.chunk_fwd.inference_options``);
+        the training pipelines keep the defaults. ``{}`` for ops without such a rule (``call_options`` None)."""
+        if not self.call_options:
+            return {}
+        return dict(resolve(self.call_options)(N=int(N), HV=int(HV), V=int(V), varlen=bool(varlen)))
 
     def pipeline(self, **cfg) -> Pipeline:
         """The pipeline for one static configuration (:func:`config` plus factory options); memoised."""

@@ -159,7 +159,7 @@ def _run(name, q, k, v, g, b, w, scale, initial_state, output_final_state, use_q
         out = _chunk_autograd().apply(q, k, v, g, b, w, initial_state, cu_seqlens, tuple(sorted(cfg.items())))
         return out[0], (out[1] if output_final_state else None)
     N = int(cu_seqlens.numel()) - 1 if cu_seqlens is not None else int(q.shape[0])
-    res = run_pipeline(op.pipeline(**cfg, **op.options_for_call(N=N, HV=HV, V=V)),
+    res = run_pipeline(op.pipeline(**cfg, **op.options_for_call(N=N, HV=HV, V=V, varlen=cu_seqlens is not None)),
                        _inputs(q, k, v, g, b, w, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens),
                        out=out)
     return res["o"], res.get("ht") if output_final_state else None

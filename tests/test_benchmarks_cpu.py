@@ -57,24 +57,42 @@ def test_benchmark_imports_and_its_selftest_passes(capsys):
             assert la.key in prebuilt, (B, H, call, la.name)
 
 
-def test_source_digest_follows_the_measured_code(tmp_path):
+def test_source_digest_follows_the_measured_code(tmp_path, monkeypatch):
     """``env.source_digest`` of the benchmark JSON names the code a run measured (kernels, the JAX package, the
-    benchmark): a copy of those files digests the same as the checkout, one changed byte in a kernel changes it,
-    and files that are not Python source do not."""
+    benchmark): a copy of those files made in reverse order digests the same as the checkout; one changed byte in a
+    kernel, or a renamed file, changes it; files that are not Python source, hidden paths, ``__pycache__`` and
+    links do not."""
+    import os
     import shutil
 
     from benchmarks import bench_lib as L
 
-    for d in L.DIGEST_DIRS:
-        for f in (L.REPO / d).rglob("*.py"):
-            dst = tmp_path / f.relative_to(L.REPO)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, dst)
+    srcs = sorted(f for d in L.DIGEST_DIRS for f in (L.REPO / d).rglob("*.py")
+                  if "__pycache__" not in f.parts and not any(p.startswith(".") for p in f.relative_to(L.REPO).parts))
+    for f in reversed(srcs):  # (the copy's directory order is not the checkout's)
+        dst = tmp_path / f.relative_to(L.REPO)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, dst)
     base = L.source_digest()
     assert len(base) == 64 and L.source_digest(tmp_path) == base
+    # the order in which the file system lists the files does not matter
+    rglob = type(tmp_path).rglob
+    monkeypatch.setattr(type(tmp_path), "rglob", lambda self, pat: reversed(list(rglob(self, pat))))
+    assert L.source_digest(tmp_path) == base
+    monkeypatch.undo()
     (tmp_path / "kernels" / "notes.txt").write_text("not code")
+    (tmp_path / "kernels" / "__pycache__").mkdir(exist_ok=True)
+    (tmp_path / "kernels" / "__pycache__" / "x.py").write_text("x = 1")
+    (tmp_path / "kernels" / ".ipynb_checkpoints").mkdir()
+    (tmp_path / "kernels" / ".ipynb_checkpoints" / "y.py").write_text("y = 1")
+    os.symlink(tmp_path / "nowhere", tmp_path / "kernels" / ".#chunk_fwd.py")  # (an editor's lock: dangling)
+    os.symlink(tmp_path / "kernels" / "chunk_fwd.py", tmp_path / "kernels" / "alias.py")
     assert L.source_digest(tmp_path) == base
     k = tmp_path / "kernels" / "chunk_fwd.py"
     k.write_bytes(k.read_bytes() + b"\n")
-    assert L.source_digest(tmp_path) != base
+    changed = L.source_digest(tmp_path)
+    assert changed != base
+    k.rename(tmp_path / "kernels" / "chunk_fwd2.py")
+    (tmp_path / "kernels" / "alias.py").unlink()
+    assert L.source_digest(tmp_path) not in (base, changed)
     assert L.env_info()["source_digest"] == base

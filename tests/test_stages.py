@@ -780,13 +780,39 @@ def _bv_case(seed, case):
     return cfg, t, V_
 
 
+def _assert_public_call_takes(B, opts, monkeypatch):
+    """The public torch ``chunk_gdn2`` at ``B`` sequences x 32 heads (K = V = 128) runs the pipeline with the state
+    pass ``opts`` (``kernels.chunk_fwd.inference_options``), and its o and final state equal the default pipeline's
+    (V-blocks of 32) bit for bit."""
+    import torch
+
+    from kernels import registry, torch_api
+
+    op = registry.get("chunk_gdn2")
+    assert op.options_for_call(N=B, HV=32, V=128) == opts
+    cfg, t = _prefetch_case(5, None, B, 100, 32, 32, 128, 128, False, "bfloat16", "float32", "spec")
+    t["h0"] = _torch(np.random.default_rng(3).standard_normal((B, 32, 128, 128)).astype(np.float32))
+    ran, run = [], torch_api.run_pipeline
+    monkeypatch.setattr(torch_api, "run_pipeline", lambda pipe, *a, **k: ran.append(pipe) or run(pipe, *a, **k))
+    o, ht = torch_api.chunk_gdn2(t["q"], t["k"], t["v"], t["g"], t["b"], t["w"], initial_state=t["h0"],
+                                 output_final_state=True)
+    assert len(ran) == 1 and ran[0].launches[1].key == op.pipeline(**cfg, **opts).launches[1].key
+    ref = run(op.pipeline(**cfg), t)
+    torch.cuda.synchronize()
+    assert ("BV", 32) in op.pipeline(**cfg).launches[1].key
+    assert torch.equal(o, ref["o"]) and torch.equal(ht, ref["ht"])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", range(4))
-def test_gpu_state_block_v64_bit_identical(case):
-    """The state pass with V-blocks of 64 (what ``kernels.chunk_fwd.inference_options`` picks for some sequences x
-    heads counts between whole waves, e.g. 192) gives o and the final state bit-identical to the default V-blocks: its products sum
-    over K and over a chunk's rows, never over V (``kernels/build.py``'s ``_BV_CASES``: dense bf16 GVA, packed
-    sequences with an empty and a one-token one, K = 64 and the in-kernel L2 norm, fp16 with bf16 g, K = V = 64)."""
+def test_gpu_state_block_v64_bit_identical(case, monkeypatch):
+    """The state pass with V-blocks of 64 (what ``kernels.chunk_fwd.inference_options`` picks at some sequences x
+    heads counts between whole waves, e.g. 192) gives o and the final state bit-identical to the default V-blocks:
+    its products sum over K and over a chunk's rows, never over V (``kernels/build.py``'s ``_BV_CASES``: dense bf16
+    GVA, packed sequences with an empty and a one-token one, K = 64 and the in-kernel L2 norm, fp16 with bf16 g,
+    K = V = 64). And
+    (case 0) the public torch call at B = 6, H = 32 (192 heads: between whole waves of the wide pass) runs it and
+    equals the default's bit for bit."""
     import torch
 
     from kernels import registry, torch_api
@@ -799,6 +825,8 @@ def test_gpu_state_block_v64_bit_identical(case):
     for n in ("o", "ht"):
         assert bool(torch.isfinite(runs[0][n].float()).all()), n
         assert torch.equal(runs[0][n], runs[1][n]), (n, float((runs[0][n].float() - runs[1][n].float()).abs().max()))
+    if case == 0:
+        _assert_public_call_takes(6, {"block_v": 64}, monkeypatch)
 
 
 @pytest.mark.cuda
@@ -823,21 +851,9 @@ def test_gpu_state_two_warpgroups_bit_identical(case, monkeypatch):
     for n in ("o", "ht"):
         assert bool(torch.isfinite(runs[0][n].float()).all()), n
         assert torch.equal(runs[0][n], runs[1][n]), (n, float((runs[0][n].float() - runs[1][n].float()).abs().max()))
-    if case:  # (the public call once)
-        return
-    # the public call picks the two-warpgroup launch at 8 sequences x 32 heads (K = V = 128)
-    assert op.options_for_call(N=8, HV=32, V=128) == STATE_WIDE_OPTIONS == {"block_v": 128, "state_threads": 256}
-    cfg, t = _prefetch_case(5, None, 8, 100, 32, 32, 128, 128, False, "bfloat16", "float32", "spec")
-    t["h0"] = _torch(np.random.default_rng(3).standard_normal((8, 32, 128, 128)).astype(np.float32))
-    ran, run = [], torch_api.run_pipeline
-    monkeypatch.setattr(torch_api, "run_pipeline", lambda pipe, *a, **k: ran.append(pipe) or run(pipe, *a, **k))
-    o, ht = torch_api.chunk_gdn2(t["q"], t["k"], t["v"], t["g"], t["b"], t["w"], initial_state=t["h0"],
-                                 output_final_state=True)
-    assert len(ran) == 1 and ran[0].launches[1].key == op.pipeline(**cfg, **STATE_WIDE_OPTIONS).launches[1].key
-    ref = run(op.pipeline(**cfg), t)
-    torch.cuda.synchronize()
-    assert ("BV", 32) in op.pipeline(**cfg).launches[1].key
-    assert torch.equal(o, ref["o"]) and torch.equal(ht, ref["ht"])
+    if case == 0:  # the public call at 8 sequences x 32 heads (K = V = 128) takes this launch
+        assert STATE_WIDE_OPTIONS == {"block_v": 128, "state_threads": 256}
+        _assert_public_call_takes(8, STATE_WIDE_OPTIONS, monkeypatch)
 
 
 @pytest.mark.cuda

@@ -153,10 +153,11 @@ def test_lowering_chunk_custom_calls():
 
 def test_chunk_state_block_v_chosen_per_inference_call():
     """``chunk_gdn2``'s inference calls give the state pass two warpgroups and one V-block of 128 per head, or
-    V-blocks of 64, where sequences x value heads reach ``STATE_WIDE_MIN_HEADS`` (V = 128 only), by the waves each
-    option takes on 132 SMs; the factory default otherwise; ops without a per-call rule add nothing. The JAX path lowers to that pipeline's launches (B = 8, H = 32: the wide
-    state launch; B = 1: the default's; ``jax.vmap`` over 8 problems of B = 1: the folded batch's choice; 4 packed
-    sequences: N from ``cu_seqlens``), and a gradient keeps the training pipelines of the default."""
+    V-blocks of 64 or 32, where sequences x value heads reach ``STATE_WIDE_MIN_HEADS`` (V = 128 and equal-length
+    sequences only), by the waves each option takes on 132 SMs; the factory default otherwise (packed sequences
+    included); ops without a per-call rule add nothing. The JAX path lowers to that pipeline's launches (B = 8,
+    H = 32: the wide state launch; B = 1: the default's; ``jax.vmap`` over 8 problems of B = 1: the folded batch's
+    choice; 4 packed sequences: the default's), and a gradient keeps the training pipelines of the default."""
     from kernels.chunk_fwd import STATE_WIDE_MIN_HEADS, STATE_WIDE_OPTIONS, chunk_fwd_pipeline
 
     op = registry.get("chunk_gdn2")
@@ -166,9 +167,15 @@ def test_chunk_state_block_v_chosen_per_inference_call():
     assert op.options_for_call(N=16, HV=32, V=128) == STATE_WIDE_OPTIONS  # (512 heads: 4 waves, V-blocks of 64 8)
     assert op.options_for_call(N=3, HV=32, V=128) == {} and op.options_for_call(N=1, HV=32, V=128) == {}
     # between whole waves the narrower blocks: 160 heads (wide 2 waves x 4.66 us, V-blocks of 64 3 x 2.61, of 32
-    # 5 x 1.53 per block and chunk), 192 (2 x 4.66, 3 x 2.61, 6 x 1.53)
-    assert op.options_for_call(N=5, HV=32, V=128) == {} and op.options_for_call(N=6, HV=32, V=128) == {"block_v": 64}
-    assert op.options_for_call(N=132, HV=1, V=128) == STATE_WIDE_OPTIONS and op.options_for_call(N=133, HV=1, V=128) == {}
+    # 5 x 1.53 per block and chunk), 192 (2 x 4.66, 3 x 2.61, 6 x 1.53); V-blocks of 32 named (at HV < 32 the
+    # factory's default is 16)
+    assert op.options_for_call(N=5, HV=32, V=128) == {"block_v": 32}
+    assert op.options_for_call(N=6, HV=32, V=128) == {"block_v": 64}
+    assert op.options_for_call(N=10, HV=16, V=128) == {"block_v": 32}
+    assert op.options_for_call(N=132, HV=1, V=128) == STATE_WIDE_OPTIONS
+    assert op.options_for_call(N=133, HV=1, V=128) == {"block_v": 32}
+    # packed sequences keep the default whatever their number (their lengths are unknown at trace time)
+    assert op.options_for_call(N=16, HV=32, V=128, varlen=True) == {}
     assert op.options_for_call(N=64, HV=32, V=64) == {}
     assert registry.get("fused_recurrent_gdn2").options_for_call(N=128, HV=32, V=128) == {}
     # (each call gets its own dict: a caller that changes it cannot change the rule)
@@ -193,16 +200,16 @@ def test_chunk_state_block_v_chosen_per_inference_call():
     # under vmap the choice follows the folded batch: 8 problems of one sequence are one call of 8 sequences
     mapped = [S((8,) + x.shape, x.dtype) for x in _specs(1, 64, 32, 32, 128, 128)]
     assert names(_lower(jax.vmap(f), mapped)) == [target(wide, 0), target(wide, 1)]
-    # packed sequences: N = len(cu_seqlens) - 1 (4 sequences x 32 heads)
+    # packed sequences (4 x 32 heads, which as a batch would take the wide pass): the default's launches
 
     def fv(q, k, v, g, b, w, h0, cu):
         return gdn2_jax.chunk_gdn2(q, k, v, g, b, w, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                                    backend="tilelang")
 
     kwv = dict(kw, varlen=True)
-    vwide = chunk_fwd_pipeline(**kwv, **STATE_WIDE_OPTIONS)
+    vplain = chunk_fwd_pipeline(**kwv)
     specs = _specs(1, 256, 32, 32, 128, 128, N=4) + [S((5,), jnp.int32)]
-    assert names(_lower(fv, specs)) == [target(vwide, 0), target(vwide, 1)]
+    assert names(_lower(fv, specs)) == [target(vplain, 0), target(vplain, 1)]
 
     def loss(q, k, v, g, b, w, h0):
         o, ht = f(q, k, v, g, b, w, h0)
