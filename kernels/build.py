@@ -22,7 +22,7 @@ import sys
 import time
 
 from . import registry
-from .chunk_fwd import STATE_WIDE_OPTIONS
+from .chunk_fwd import STATE_CHOICE_OPTIONS, STATE_WIDE_OPTIONS
 
 
 def cfg(H, HV, K, V=None, dtype="bfloat16", g_dtype="float32", scale=None, h0=True, ht=True, varlen=False,
@@ -150,7 +150,7 @@ def preset(name: str) -> list[dict]:
     # the state passes that inference calls with many sequences x heads choose (kernels.chunk_fwd.inference_options:
     # two warpgroups and one V-block of 128, or V-blocks of 64 or 32): serving and benchmark head counts, and the
     # public calls of tests/test_stages.py's state-pass tests
-    serving += [dict(c, **opt) for c in serving for opt in (STATE_WIDE_OPTIONS, {"block_v": 64}, {"block_v": 32})]
+    serving += [dict(c, **opt) for c in serving for opt in STATE_CHOICE_OPTIONS]
     bench += [dict(cfg(32, 32, 128), **STATE_WIDE_OPTIONS)]
     tests += [dict(cfg(32, 32, 128), **opt) for opt in ({}, STATE_WIDE_OPTIONS, {"block_v": 64})]
     # the tests' bit-identity cases (tests/test_stages.py): V-blocks of 64, and two warpgroups with V-blocks of V
@@ -238,6 +238,11 @@ def build(configs, ops, arch, jobs=1, log=print):
         log(f"{'cached ' if existed else 'built  '} {dt:6.1f}s {op:21s} {name:28s} {os.path.basename(path)[:60]}")
         paths.append(path)
     return paths
+
+
+def plan_launches(configs, ops, arch) -> list:
+    """The ``Launch`` of each entry of :func:`plan` (no compile), e.g. to check that a preset holds a launch."""
+    return [_pipe(name, kw, part).launches[i] for name, kw, part, i, _ in plan(configs, ops, arch)]
 
 
 def plan(configs, ops, arch) -> list[tuple]:

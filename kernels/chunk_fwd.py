@@ -44,7 +44,7 @@ from ._common import (CHUNK, L2NORM_EPS, LOG2E, TF32_DY, drop_params, product_re
                       segment_scan_macros, tf32_nearest, tf32_operand)
 from ._pipeline import Buf, Launch, Pipeline
 
-__all__ = ["STATE_WIDE_OPTIONS", "chunk_fwd_pipeline", "inference_options", "num_chunk_slots"]
+__all__ = ["STATE_CHOICE_OPTIONS", "STATE_WIDE_OPTIONS", "chunk_fwd_pipeline", "inference_options", "num_chunk_slots"]
 
 SUB = 16
 # a slice's diagonal 16x16 blocks use TF32 products (anchored at each sub-chunk's row 8) when every base-2 log-decay
@@ -77,6 +77,8 @@ STATE_WIDE_OPTIONS = {"block_v": 128, "state_threads": 256}
 STATE_RULE_SMS = 132
 _STATE_CHOICES = ((STATE_WIDE_OPTIONS, 1, 0.298e3 / 64), ({"block_v": 64}, 2, 0.334e3 / 128),
                   ({"block_v": 32}, 4, 0.392e3 / 256))
+#: The options ``inference_options`` can return besides none (what ``kernels.build``'s serving preset builds).
+STATE_CHOICE_OPTIONS = tuple(c[0] for c in _STATE_CHOICES)
 
 
 def inference_options(*, N: int, HV: int, V: int, varlen: bool = False) -> dict:
@@ -488,29 +490,31 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     T.call_extern("handle", MMA_TF32, T.address_of(wacc[(mi * nn + nj) * 4]),
                                   T.address_of(afr[mi * 4]), T.address_of(bfr[nj * 2]))
 
+    def kc_value(case, k, x):  # a Kc operand's value from k_s and x = G_a - G_s: before, inside (fast), or zero
+        if case == "before":  # rows before the sub-chunk: the decay clamped at 1
+            return k * T.exp2(T.min(x, 0.0))
+        if case == "fast":  # rows inside it on a fast slice: the diagonal block anchored at G_(n+8)
+            return k * T.exp2(x)
+        return k * T.float32(0.0)  # (exact slice: the diagonal block is summed in fp32 elsewhere; rows of zeros)
+
+    @T.macro
+    def kc_loop(Kca, ib, kl, gl, a, case, tx):  # this thread's eight rows of Kc_ib, all of one case
+        for i in T.unroll(SEG):
+            Kca[KOFF[ib] + (tx // DC) * SEG + i, tx % DC] = tfr(kc_value(case, kl[i], a - gl[i]))
+
     @T.macro
     def kc_rows(Kca, ib, kl, gl, a, fast, tx):
         # (warp_tiles) this thread's rows (tx // 32) * 8 + i of sub-chunk ib's Kc operand, k_s = kl[i], G_s = gl[i],
         # a = the sub-chunk's anchor: kc_operand's values, with the row's place known per warp (its sub-chunk
-        # tx // 64 is before ib, or ib itself) instead of compared row by row. The three cases are branches around
-        # whole row loops (the conditions are warp- or block-uniform): as one select per row, nvcc branched around
-        # each row's exponential and re-evaluated the condition there (4 of the row's 7 instructions, session 25)
-        if ib == 0:  # (rows < 16 only: the diagonal block)
-            if fast != 0:
-                for i in T.unroll(SEG):
-                    Kca[(tx // DC) * SEG + i, tx % DC] = tfr(kl[i] * T.exp2(a - gl[i]))
-            else:
-                for i in T.unroll(SEG):
-                    Kca[(tx // DC) * SEG + i, tx % DC] = tfr(T.float32(0.0))
-        elif tx // (2 * DC) < ib:  # rows before the sub-chunk: the decay clamped at 1
-            for i in T.unroll(SEG):
-                Kca[KOFF[ib] + (tx // DC) * SEG + i, tx % DC] = tfr(kl[i] * T.exp2(T.min(a - gl[i], 0.0)))
-        elif fast != 0:  # rows inside it on a fast slice: the diagonal block anchored at G_(n+8)
-            for i in T.unroll(SEG):
-                Kca[KOFF[ib] + (tx // DC) * SEG + i, tx % DC] = tfr(kl[i] * T.exp2(a - gl[i]))
-        else:  # (exact slice: the diagonal block is summed in fp32 elsewhere; the operand's rows are zero)
-            for i in T.unroll(SEG):
-                Kca[KOFF[ib] + (tx // DC) * SEG + i, tx % DC] = tfr(kl[i] * T.float32(0.0))
+        # tx // 64 is before ib, or ib itself) instead of compared row by row. The cases are branches around whole
+        # row loops (the conditions are warp- or block-uniform): as one select per row, nvcc branched around each
+        # row's exponential and re-evaluated the condition there (4 of the row's 7 instructions, session 25)
+        if ib > 0 and tx // (2 * DC) < ib:  # (Kc_0 holds rows < 16 only: the diagonal block)
+            kc_loop(Kca, ib, kl, gl, a, "before", tx)
+        elif fast != 0:
+            kc_loop(Kca, ib, kl, gl, a, "fast", tx)
+        else:
+            kc_loop(Kca, ib, kl, gl, a, "zero", tx)
 
     @T.macro
     def warp_store(ib, n0, nn, wacc, Qk, Tm, lane):
@@ -1128,7 +1132,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     ``_intra_prim``); the same arithmetic.
     ``state_threads`` (128, the default, or 256): launch 2's compute threads (TileLang adds its TMA producer
     warpgroup to either). Two warpgroups let one block take V-blocks of 128 (``block_v=128``) without spilling
-    (sm_90a: 168 registers, 214 KB of shared memory), so that Y, QG, KG and Aqk are read once per head instead of
+    (sm_90a: 168 registers, 209 KiB of shared memory), so that Y, QG, KG and Aqk are read once per head instead of
     once per V-block; its products sum over K and a chunk's rows as before (bit-identical). Inference calls with
     many sequences x value heads choose it (``inference_options``).
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's

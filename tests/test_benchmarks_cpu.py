@@ -49,8 +49,7 @@ def test_benchmark_imports_and_its_selftest_passes(capsys):
     # every launch of every prefill grid shape's pipeline, with the options its public call chooses, is prebuilt
     from kernels import build, registry
 
-    prebuilt = {build._pipe(n, kw, part).launches[i].key
-                for n, kw, part, i, _ in build.plan(cfgs, ("chunk_gdn2",), "sm_90a")}
+    prebuilt = {la.key for la in build.plan_launches(cfgs, ("chunk_gdn2",), "sm_90a")}
     for B, _, H in bench.PREFILL_GRID:
         call = registry.get("chunk_gdn2").options_for_call(N=B, HV=H, V=L.D)
         for la in L.chunk_pipeline(H, H, **call).launches:

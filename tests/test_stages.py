@@ -526,10 +526,8 @@ def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
     from kernels.build import _BV_CASES
 
     op = registry.get("chunk_gdn2")
-    have = set()
-    for name, kw, part, i, _ in build.plan(build.preset("tests"), ("chunk_gdn2",), "sm_90a"):
-        la = build._pipe(name, kw, part).launches[i]
-        have.add((la.name, la.key, la.pass_configs))
+    have = {(la.name, la.key, la.pass_configs)
+            for la in build.plan_launches(build.preset("tests"), ("chunk_gdn2",), "sm_90a")}
     need = []
     for case, opts in [(0, dict(o, smem_epilogue=e)) for o in SMEM_EPILOGUE_OPTIONS for e in (False, True)] + [
             (c, dict(intra_unroll=u)) for c in (0, 1) for u in (False, True)]:
