@@ -108,6 +108,7 @@ def preset(name: str) -> list[dict]:
     profile += [dict(cfg(h, h, 128), warp_tiles=False) for h in (4, 16, 32)]  # profile_chunk's "gemm_tiles"
     profile += [dict(cfg(h, h, 128), smem_epilogue=False) for h in (4, 16, 32)]  # profile_chunk's "frag_stores"
     profile += [dict(cfg(h, h, 128), intra_unroll=True) for h in (4, 16, 32)]  # profile_chunk's "unrolled"
+    profile += [dict(cfg(h, h, 128), g_first=False) for h in (4, 16, 32)]  # profile_chunk's "whole_wait"
     profile += [dict(cfg(h, h, 128), block_v=128, state_threads=256) for h in (16, 32)]  # profile_chunk's "bv128w"
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
@@ -169,6 +170,9 @@ def preset(name: str) -> list[dict]:
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), smem_epilogue=False, save_states=s)
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     tests += [dict(cfg(2, 4, 128), smem_epilogue=e, **o) for o in SMEM_EPILOGUE_OPTIONS for e in (False, True)]
+    # each slice waiting for all of its tiles at once (tests/test_stages.py: the default's g_first bit-identical)
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), g_first=False, save_states=s)
+              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     # the slice loop unrolled (experimental; tests/test_stages.py: bit-identical), the first two prefetch cases
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_unroll=True, save_states=s)
               for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS[:2]]

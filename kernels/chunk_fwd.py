@@ -190,7 +190,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
                 exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False, z_split=False,
                 qg_split=False, tf32_a=False, ftz=False, blocked_solve=False, fused_slice=False, warp_tiles=False,
-                smem_epilogue=False, unroll_slices=False):
+                smem_epilogue=False, unroll_slices=False, g_first=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (87 KB for K = V = 128, 110 KB with
@@ -253,6 +253,15 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     instructions a store, 16 stores of Y and 16 of U a thread; the region of the products and these stores held
     54.9 M of v9's 350.7 M instructions at B4 T4096 H32).
 
+    ``g_first`` (needs ``fused_slice``; the same arithmetic, bit-identical results): each slice's g and b travel in
+    a ``cp.async`` group of their own, ahead of its q and k, and the slice's start waits for them only; q and k are
+    waited for after the cumulative sum and each thread's share of the fast-path test, just before that test's
+    block-wide ``__syncthreads_or``, which makes them visible (the anchors that follow depend on its result, and
+    every row is copied by other threads than the ones that read it, so the wait cannot move past that barrier).
+    Slice dc + 1's q and k go out after its g and b (both once slice dc's g and b are in registers), so the groups
+    complete in that order. The cumulative sum of the block's first slice, which nothing else in the block
+    overlaps, then runs while its q and k are still arriving.
+
     ``unroll_slices`` (experimental, off; the same arithmetic): the channel-slice loop marked ``#pragma unroll``, so
     that nvcc makes one copy of its body per slice, with the slice index and buffer parity constants, and a per-SASS
     profile tells the slices' waits apart (bench configuration, nvcc -ftz=true, every nvdisasm instruction: 11,280
@@ -266,6 +275,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     # (what chunk_fwd_pipeline checks for its callers; the warp roles and row segments below assume all of it)
     assert not fused_slice or (prefetch and threads == 256), "fused_slice needs prefetch and 256 threads"
     assert not warp_tiles or fused_slice, "warp_tiles needs fused_slice"
+    assert not g_first or fused_slice, "g_first needs fused_slice"
     assert not blocked_solve or threads == 256, "blocked_solve needs 256 threads"
     C, BC = CHUNK, SUB
     NB = C // BC
@@ -657,6 +667,8 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                 if prefetch:
                     cp_rows(gS, -1, g, bb, t0, hv, 0, valid, tx, DC, EWG)
                     cp_rows(bS, -1, b, bb, t0, hv, 0, valid, tx, DC, EW16)
+                    if g_first:  # (g and b in a copy group of their own, ahead of q and k)
+                        T.ptx_commit_group()
                     cp_rows(qc, 0, q, bb, t0, hq, 0, valid, tx, DC, EW16)
                     cp_rows(kc, 0, k, bb, t0, hq, 0, valid, tx, DC, EW16)
                     T.ptx_commit_group()
@@ -732,7 +744,11 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                     else:
                         # ---- slice dc has arrived; slice dc + 1's q, k go out. Thread (segment sg = tx // DC,
                         # channel d = tx % DC) owns rows sg * SEG + i, i < SEG, of the slice: g and b to registers ----
-                        slice_arrived(qc, kc, q, k, dc, cur, bb, t0, hq, valid, tx)
+                        if g_first:  # (only g and b waited for here; q and k before the row pass reads them)
+                            T.ptx_wait_group(1)
+                            T.sync_threads()
+                        else:
+                            slice_arrived(qc, kc, q, k, dc, cur, bb, t0, hq, valid, tx)
                         for i in T.unroll(SEG):  # (g * log2(e) rounded on its own, as the default launch
                             # stores it before its sum: __fmul_rn is never contracted into the sum's additions)
                             gl[i] = T.call_extern(acc, "__fmul_rn", T.cast(gS[(tx // DC) * SEG + i, tx % DC], acc),
@@ -743,6 +759,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             cp_rows(gS, -1, g, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EWG)
                             cp_rows(bS, -1, b, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EW16)
                             T.ptx_commit_group()
+                            if g_first:  # (slice dc - 1's q / k buffers are free since the barrier above)
+                                cp_rows(qc, 1 - cur, q, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
+                                cp_rows(kc, 1 - cur, k, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
+                                T.ptx_commit_group()
                         # ---- cumulative sum in registers: segment prefix, then the segment offsets ----
                         csum = 0.0
                         for i in T.unroll(SEG):
@@ -762,6 +782,12 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                         csum = 0.0
                         for i in T.unroll(SEG):
                             csum = T.max(csum, T.abs(gl[i] - Gc[(tx // (2 * DC)) * BC + 8, tx % DC]))
+                        if g_first:  # slice dc's q and k have arrived (the barrier below makes them visible;
+                            # other threads copied them): slice dc + 1's two groups may still be in flight
+                            if dc + 1 < NDC:
+                                T.ptx_wait_group(2)
+                            else:
+                                T.ptx_wait_group(0)
                         fast = 1 - T.syncthreads_or(T.if_then_else(csum > DIAG_HALF_RANGE, 1, 0) + force_exact)
                         for ib in T.unroll(NB):  # the anchors G_a of the four sub-chunks (block-uniform choice)
                             anc[ib] = anchor(Gc, ib, tx % DC, fast)
@@ -1069,7 +1095,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        intra_ftz: bool | None = None, blocked_solve: bool | None = None,
                        fused_slice: bool | None = None, warp_tiles: bool | None = None,
                        smem_epilogue: bool | None = None, intra_unroll: bool = False,
-                       state_threads: int = 128) -> Pipeline:
+                       g_first: bool | None = None, state_threads: int = 128) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -1130,6 +1156,9 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     bit-identical results.
     ``intra_unroll`` (experimental, off): launch 1's channel-slice loop unrolled (see ``unroll_slices`` of
     ``_intra_prim``); the same arithmetic.
+    ``g_first`` (default from ``kernels.defaults.FORWARD`` where ``fused_slice``, else off; True there:
+    ValueError): launch 1 waits at each channel slice's start for its g and b only, and for its q and k after the
+    cumulative sum (see ``_intra_prim``); bit-identical results.
     ``state_threads`` (128, the default, or 256): launch 2's compute threads (TileLang adds its TMA producer
     warpgroup to either). Two warpgroups let one block take V-blocks of 128 (``block_v=128``) without spilling
     (sm_90a: 168 registers, 209 KiB of shared memory), so that Y, QG, KG and Aqk are read once per head instead of
@@ -1170,6 +1199,12 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: warp_tiles=True needs fused_slice=True (and so intra_prefetch=True and "
                          f"intra_threads=256), got fused_slice={fused_slice}")
     smem_epilogue = _forward_default(fn, "smem_epilogue", smem_epilogue)
+    if g_first is None and not fused_slice:  # (the separate slice passes read q and k before the sum)
+        g_first = False
+    g_first = _forward_default(fn, "g_first", g_first)
+    if g_first and not fused_slice:
+        raise ValueError(f"{fn}: g_first=True needs fused_slice=True (and so intra_prefetch=True and "
+                         f"intra_threads=256), got fused_slice={fused_slice}")
     if tf32_states is None:  # (a bool by construction)
         tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] in TF32_DY
     if not isinstance(tf32_states, bool):
@@ -1219,7 +1254,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                                       ("qg_split", qg_split), ("tf32_a", tf32_states), ("ftz", intra_ftz),
                                       ("blocked_solve", blocked_solve), ("fused_slice", fused_slice),
                                       ("warp_tiles", warp_tiles), ("smem_epilogue", smem_epilogue),
-                                      ("unroll_slices", intra_unroll)) if on})
+                                      ("unroll_slices", intra_unroll), ("g_first", g_first)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),

@@ -27,8 +27,10 @@ __all__ = ["BACKWARD", "FORWARD"]
 #: one 32-row column tile per warp, instead of ``T.gemm`` over all eight warps (bit-identical results). Session 23
 #: (``docs/performance-notes.md``). ``smem_epilogue``: Y and U leave through shared memory as 16-byte pieces of
 #: whole rows, not as 4-byte stores from the tensor-core accumulators (bit-identical results). Session 24.
+#: ``g_first``: each channel slice waits for its g and b first and for its q and k after the cumulative sum
+#: (bit-identical results). Session 26 (``docs/performance-notes.md``).
 FORWARD = dict(intra_prefetch=True, z_split=True, intra_ftz=True, blocked_solve=True, fused_slice=True,
-               warp_tiles=True, smem_epilogue=True)
+               warp_tiles=True, smem_epilogue=True, g_first=True)
 
 #: ``split_ds``: the reverse state pass feeds dS to the KG dS product as a 16-bit value plus its rounding residual
 #: (db 3.29e-3 instead of 3.87e-3 vs fp64 on the benchmark's gradient case, seed 77; session 10, when the option

@@ -519,9 +519,9 @@ def _case_config(cu, H, HV, K_, V_, l2, dtype, g_dtype):
 
 
 def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
-    """Every launch that the GPU tests of ``smem_epilogue`` on the other launches, ``intra_unroll`` and the
-    two-warpgroup state pass build is in the ``tests`` preset, so the device compiles it ahead of time in parallel
-    rather than inside the test."""
+    """Every launch that the GPU tests of ``smem_epilogue`` on the other launches, ``intra_unroll``, the
+    two-warpgroup state pass and ``g_first`` (its launches without it) build is in the ``tests`` preset, so the
+    device compiles it ahead of time in parallel rather than inside the test."""
     from kernels import build, registry
     from kernels.build import _BV_CASES
 
@@ -530,7 +530,8 @@ def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
             for la in build.plan_launches(build.preset("tests"), ("chunk_gdn2",), "sm_90a")}
     need = []
     for case, opts in [(0, dict(o, smem_epilogue=e)) for o in SMEM_EPILOGUE_OPTIONS for e in (False, True)] + [
-            (c, dict(intra_unroll=u)) for c in (0, 1) for u in (False, True)]:
+            (c, dict(intra_unroll=u)) for c in (0, 1) for u in (False, True)] + [
+            (c, dict(g_first=False)) for c in range(len(_PREFETCH_CASES))]:
         cu, _, _, H, HV, K_, V_, l2, dtype, g_dtype, save, _ = _PREFETCH_CASES[case]
         need.append(op.pipeline(**_case_config(cu, H, HV, K_, V_, l2, dtype, g_dtype), save_states=save,
                                 **opts).launches[0])
@@ -538,7 +539,7 @@ def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
         cfg = _case_config([0] if varlen else None, H, HV, K_, V_, l2, dtype, g_dtype)
         need += [la for opts in ({}, dict(block_v=V_, state_threads=256)) for la in op.pipeline(**cfg, **opts).launches]
     missing = [la.key for la in need if (la.name, la.key, la.pass_configs) not in have]
-    assert len(need) == 26 and not missing, missing
+    assert len(need) == 31 and not missing, missing
 
 
 def _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist):
@@ -645,6 +646,20 @@ def test_gpu_intra_smem_epilogue_bit_identical_to_default(cu, B, T, H, HV, K_, V
     every buffer beforehand; two runs bit-identical."""
     cfg, t = _prefetch_case(79 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
     _assert_intra_scratch_bit_identical(cfg, t, save, "smem_epilogue", "smem_epilogue")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cu,B,T,H,HV,K_,V_,l2,dtype,g_dtype,save,gdist", _PREFETCH_CASES)
+def test_gpu_intra_g_first_bit_identical_to_default(cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, save, gdist):
+    """Launch 1 with ``g_first`` (the default: a slice's g and b waited for at its start, its q and k after the
+    cumulative sum) writes what the launch waiting for all of a slice's tiles at once writes: every scratch buffer
+    bit-identical on the prefetch test's cases (packed sequences with an empty and a one-token sequence, GVA, the
+    in-kernel L2 norm, which rescales q and k in their buffers, K / V of 64 and 128, so two and four slices, fp16,
+    bf16 g, T = 1, the training forward), with the same sentinel in every buffer beforehand; two runs
+    bit-identical. (A read racing its copy need not show on a run; the order of the waits, copies and reads is
+    checked on the generated CUDA: ``tests/test_tilelang_cpu.py::test_forward_intra_g_first_key_and_wait_order``.)"""
+    cfg, t = _prefetch_case(103 + T, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist)
+    _assert_intra_scratch_bit_identical(cfg, t, save, "g_first", "g_first")
 
 
 @pytest.mark.cuda

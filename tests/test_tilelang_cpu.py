@@ -657,6 +657,61 @@ def test_forward_intra_unroll_key_and_slice_copies():
     assert off_lines[off_lines.index(loop) - 1].strip() != "#pragma unroll"
 
 
+@needs_tilelang
+@pytest.mark.slow
+def test_forward_intra_g_first_key_and_wait_order():
+    """``g_first`` (the default since session 26) names itself in the forward intra launch's key, needs the fused
+    slice pass, and compiles to the wait order it relies on (bench configuration, K = 128: four slices): the
+    prologue commits g / b and q / k as two ``cp.async`` groups; a slice starts with ``cp_async_wait<1>`` and a
+    barrier, then reads g and b; the next slice's g / b group is committed before its q / k group; q and k of the
+    slice are waited for (``cp_async_wait<2>``, or ``<0>`` at the last slice) before the ``__syncthreads_or`` and
+    read only after it. Off, the slice starts with ``cp_async_wait<0>`` as before. (Bit-identity:
+    ``tests/test_stages.py::test_gpu_intra_g_first_bit_identical_to_default``.)"""
+    import re
+
+    import tilelang
+
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    kw = dict(H=32, HV=32, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=False, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    on, off = _default_option_launches(kw, "g_first")
+    with pytest.raises(ValueError, match="g_first=True needs fused_slice=True"):
+        chunk_fwd_pipeline(**kw, fused_slice=False, warp_tiles=False, g_first=True)
+    assert "g_first" not in dict(chunk_fwd_pipeline(**kw, fused_slice=False, warp_tiles=False).launches[0].key[2:])
+
+    def lines(launch):
+        return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                                pass_configs=dict(launch.pass_configs)).get_kernel_source().splitlines()
+
+    src = lines(on)
+    loop = src.index("    for (int dc = 0; dc < 4; ++dc) {")
+    first = [i for i, x in enumerate(src) if "tl::cp_async_gs_conditional" in x or "tl::cp_async_commit" in x]
+    pro = [("qk" if re.search(r"\(\(bfloat16_t\*\)[qk]c\)", src[i]) else "gb" if "cp_async_gs" in src[i] else "commit")
+           for i in first if i < loop]
+    assert pro == ["gb", "gb", "commit", "qk", "qk", "commit"], pro  # (g: one copy in a loop line, b: one)
+    assert src[loop + 1].strip() == "tl::cp_async_wait<1>();" and src[loop + 2].strip() == "__syncthreads();"
+    sor = next(i for i in range(loop, len(src)) if "__syncthreads_or(" in src[i])
+    body = src[loop:sor]
+    waits = [x.strip() for x in body if "cp_async_wait" in x]
+    assert waits == ["tl::cp_async_wait<1>();", "tl::cp_async_wait<2>();", "tl::cp_async_wait<0>();"], waits
+    w2 = next(i for i, x in enumerate(body) if "cp_async_wait<2>" in x)
+    assert body[w2 - 1].strip() == "if (dc < 3) {" and "cp_async_wait<0>" in body[w2 + 2]
+    copies = [("qk" if re.search(r"\(\(bfloat16_t\*\)[qk]c\)", x) else "commit" if "commit" in x else "gb")
+              for x in body if "tl::cp_async_gs_conditional" in x or "tl::cp_async_commit" in x]
+    assert copies == ["gb", "gb", "commit", "qk", "qk", "commit"], copies
+    # (the next slice's q / k land in the other buffer, 64 rows x 40 = 2560 elements away, not the one being read)
+    qk_next = [x for x in body if "tl::cp_async_gs_conditional" in x and re.search(r"\(\(bfloat16_t\*\)[qk]c\)", x)]
+    assert len(qk_next) == 2 and all("+ 2560) - ((dc & 1) * 2560))" in x for x in qk_next), qk_next
+    # (q and k are not read between the slice's start and the barrier after their wait)
+    assert not [x for x in body if re.search(r"\(\(bfloat16_t\*\)[qk]c\)\[", x) and "cp_async" not in x]
+    assert any(re.search(r"\(\(bfloat16_t\*\)qc\)\[", x) for x in src[sor:])
+    off_src = lines(off)
+    off_loop = off_src.index("    for (int dc = 0; dc < 4; ++dc) {")
+    assert off_src[off_loop + 1].strip() == "tl::cp_async_wait<0>();"
+    assert not any("cp_async_wait<1>" in x or "cp_async_wait<2>" in x for x in off_src)
+
+
 def test_forward_default_option_errors_name_kernels_defaults(monkeypatch):
     """A bad value in ``kernels.defaults.FORWARD`` is reported as coming from there, an explicit bad value as is."""
     from kernels import defaults
