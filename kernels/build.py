@@ -137,8 +137,10 @@ def preset(name: str) -> list[dict]:
     # bench's largest head count, gradient accuracy (profile_chunk --grad-accuracy: B1 T256 H2)
     bwdexp = [dict(c, **o) for c in (cfg(32, 32, 128), cfg(2, 2, 128), cfg(2, 4, 128), cfg(2, 4, 128, varlen=True))
               for o in ({},) + bwd_variants]
-    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_prefetch=p, save_states=s)
-              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS for p in (False, True)]
+    # the prefetch tests' configurations (tests/test_stages.py's _PREFETCH_CASES), with and without the prefetch
+    prefetch_cases = [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), save_states=s)
+                      for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
+    tests += [dict(c, intra_prefetch=p) for c in prefetch_cases for p in (False, True)]
     # fp32 against input-dtype gradients (tests/test_stages.py: cast_grads bit-identical to casting afterwards)
     casts = [cfg(2, 2, 128), cfg(2, 4, 128, varlen=True), cfg(2, 2, 64, 128, l2=True, g_dtype="bfloat16"),
              cfg(1, 1, 128, 64, dtype="float16")]
@@ -159,31 +161,18 @@ def preset(name: str) -> list[dict]:
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES for bv in (False, True)]
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), block_v=v, state_threads=256)
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES]
-    # the forward intra launch without its fused slice pass and without per-warp tiles (tests/test_stages.py:
-    # fused_slice bit-identical to the former, warp_tiles to the latter)
-    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), fused_slice=False, save_states=s)
-              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
-    # the anchored products by T.gemm (tests/test_stages.py: the default's per-warp mma.sync tiles bit-identical)
-    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), warp_tiles=False, save_states=s)
-              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
-    # Y / U stored from the accumulators (tests/test_stages.py: the default's shared-memory epilogue bit-identical)
-    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), smem_epilogue=False, save_states=s)
-              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
+    # the forward intra launch on the prefetch cases with one default option off, what tests/test_stages.py
+    # compares the default with: without the fused slice pass (fused_slice bit-identical to it), the anchored
+    # products by T.gemm (warp_tiles), Y / U stored from the accumulators (smem_epilogue), each slice waiting for all
+    # of its tiles at once (g_first), the Neumann-series solve (the blocked solve against it), without -ftz
+    # (intra_ftz changes only subnormal terms)
+    tests += [dict(c, **{opt: False}) for opt in ("fused_slice", "warp_tiles", "smem_epilogue", "g_first",
+                                                  "blocked_solve", "intra_ftz") for c in prefetch_cases]
     tests += [dict(cfg(2, 4, 128), smem_epilogue=e, **o) for o in SMEM_EPILOGUE_OPTIONS for e in (False, True)]
-    # each slice waiting for all of its tiles at once (tests/test_stages.py: the default's g_first bit-identical)
-    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), g_first=False, save_states=s)
-              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     # the slice loop unrolled (experimental; tests/test_stages.py: bit-identical), the first two prefetch cases
-    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_unroll=True, save_states=s)
-              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS[:2]]
+    tests += [dict(c, intra_unroll=True) for c in prefetch_cases[:2]]
     # warp_tiles with the options that change its code (tests/test_stages.py), on and off
     tests += [dict(cfg(2, 4, 128), warp_tiles=w, **o) for o in WARP_TILE_OPTIONS for w in (False, True)]
-    # the Neumann-series solve (tests/test_stages.py: the blocked solve against it)
-    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), blocked_solve=False, save_states=s)
-              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
-    # the forward intra launch without -ftz (tests/test_stages.py: intra_ftz changes only subnormal terms)
-    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_ftz=False, save_states=s)
-              for (vl, h, hv, k, v, l2, dt, gd, s) in _PREFETCH_CFGS]
     table = {"serving": serving + pools, "bench": bench, "tests": tests + pools, "layers": layers,
              "all": serving + pools + bench + tests + layers, "sweep": _sweep(), "profile": profile, "bwdexp": bwdexp}
     if name not in table:

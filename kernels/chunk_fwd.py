@@ -374,14 +374,19 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
         T.gemm(QE3, Kc3, Acc3, transpose_B=True)
 
     @T.macro
+    def send_qk(qc, kc, q, k, dc, cur, bb, t0, hq, valid, tx):
+        # (prefetch) slice dc + 1's q and k into the other buffers, one copy group
+        cp_rows(qc, 1 - cur, q, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
+        cp_rows(kc, 1 - cur, k, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
+        T.ptx_commit_group()
+
+    @T.macro
     def slice_arrived(qc, kc, q, k, dc, cur, bb, t0, hq, valid, tx):
         # (prefetch) wait for slice dc's tiles, then send slice dc + 1's q and k into the other buffers
         T.ptx_wait_group(0)
         T.sync_threads()
         if dc + 1 < NDC:
-            cp_rows(qc, 1 - cur, q, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
-            cp_rows(kc, 1 - cur, k, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
-            T.ptx_commit_group()
+            send_qk(qc, kc, q, k, dc, cur, bb, t0, hq, valid, tx)
 
     @T.macro
     def qe_store(QE0, QE1, QE2, QE3, ib, r, d, xq, xb):
@@ -760,9 +765,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                             cp_rows(bS, -1, b, bb, t0, hv, (dc + 1) * DC, valid, tx, DC, EW16)
                             T.ptx_commit_group()
                             if g_first:  # (slice dc - 1's q / k buffers are free since the barrier above)
-                                cp_rows(qc, 1 - cur, q, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
-                                cp_rows(kc, 1 - cur, k, bb, t0, hq, (dc + 1) * DC, valid, tx, DC, EW16)
-                                T.ptx_commit_group()
+                                send_qk(qc, kc, q, k, dc, cur, bb, t0, hq, valid, tx)
                         # ---- cumulative sum in registers: segment prefix, then the segment offsets ----
                         csum = 0.0
                         for i in T.unroll(SEG):
@@ -1074,14 +1077,21 @@ def sizes_fn(varlen: bool, first: str = "q"):
     return sizes
 
 
-def _forward_default(fn: str, name: str, value):
+def _forward_default(fn: str, name: str, value, needs: tuple[bool, str] | None = None):
     """Option ``name`` of ``fn``: ``value``, or ``kernels.defaults.FORWARD[name]`` when None; ``ValueError`` unless
-    a bool, naming the defaults table when the bad value came from there."""
+    a bool, naming the defaults table when the bad value came from there. ``needs = (met, what)``: an option that
+    only exists where ``met`` (the launch it changes): off there when None, ``ValueError`` "``name``=True needs
+    ``what``" when True."""
+    met, what = needs if needs is not None else (True, "")
+    if value is None and not met:
+        return False
     origin = ""
     if value is None:
         value, origin = defaults.FORWARD[name], " (from kernels.defaults.FORWARD)"
     if not isinstance(value, bool):
         raise ValueError(f"{fn}: {name} must be a bool, got {value!r}{origin}")
+    if value and not met:
+        raise ValueError(f"{fn}: {name}=True needs {what}")
     return value
 
 
@@ -1181,30 +1191,18 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     if qg_split and not save_states:
         raise ValueError(f"{fn}: qg_split=True needs save_states=True (QGL is read by the backward only)")
     intra_ftz = _forward_default(fn, "intra_ftz", intra_ftz)
-    if blocked_solve is None and intra_threads != 256:  # (its thread mapping assumes 256 threads)
-        blocked_solve = False
-    blocked_solve = _forward_default(fn, "blocked_solve", blocked_solve)
-    if blocked_solve and intra_threads != 256:
-        raise ValueError(f"{fn}: blocked_solve=True needs intra_threads=256, got {intra_threads}")
-    if fused_slice is None and not (intra_prefetch and intra_threads == 256):  # (what it is written for)
-        fused_slice = False
-    fused_slice = _forward_default(fn, "fused_slice", fused_slice)
-    if fused_slice and not (intra_prefetch and intra_threads == 256):
-        raise ValueError(f"{fn}: fused_slice=True needs intra_prefetch=True and intra_threads=256, got "
-                         f"{intra_prefetch} and {intra_threads}")
-    if warp_tiles is None and not fused_slice:  # (it needs the fused slice pass's QE / Kc stores)
-        warp_tiles = False
-    warp_tiles = _forward_default(fn, "warp_tiles", warp_tiles)
-    if warp_tiles and not fused_slice:
-        raise ValueError(f"{fn}: warp_tiles=True needs fused_slice=True (and so intra_prefetch=True and "
-                         f"intra_threads=256), got fused_slice={fused_slice}")
+    # (blocked_solve: its thread mapping assumes 256 threads; fused_slice: what it is written for; warp_tiles: it
+    # needs the fused slice pass's QE / Kc stores; g_first: the separate slice passes read q and k before the sum)
+    blocked_solve = _forward_default(fn, "blocked_solve", blocked_solve,
+                                     (intra_threads == 256, f"intra_threads=256, got {intra_threads}"))
+    fused_slice = _forward_default(fn, "fused_slice", fused_slice, (
+        intra_prefetch and intra_threads == 256,
+        f"intra_prefetch=True and intra_threads=256, got {intra_prefetch} and {intra_threads}"))
+    on_fused = (fused_slice, "fused_slice=True (and so intra_prefetch=True and intra_threads=256), got "
+                f"fused_slice={fused_slice}")
+    warp_tiles = _forward_default(fn, "warp_tiles", warp_tiles, on_fused)
     smem_epilogue = _forward_default(fn, "smem_epilogue", smem_epilogue)
-    if g_first is None and not fused_slice:  # (the separate slice passes read q and k before the sum)
-        g_first = False
-    g_first = _forward_default(fn, "g_first", g_first)
-    if g_first and not fused_slice:
-        raise ValueError(f"{fn}: g_first=True needs fused_slice=True (and so intra_prefetch=True and "
-                         f"intra_threads=256), got fused_slice={fused_slice}")
+    g_first = _forward_default(fn, "g_first", g_first, on_fused)
     if tf32_states is None:  # (a bool by construction)
         tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] in TF32_DY
     if not isinstance(tf32_states, bool):
