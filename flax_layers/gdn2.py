@@ -266,7 +266,8 @@ class GatedDeltaNet2(nnx.Module):
       deterministic: inference mode. Default False (training), as for ``nnx.Dropout``; ``model.eval()`` sets it
         to True and ``model.train()`` back to False; ``__call__`` may override it per call.
       dtype: computation dtype of the projections, convs and op inputs (default: promote input and params).
-        The decay ``g``, the norm and the recurrent state are always float32.
+        The decay ``g``, the norm and the recurrent state are always float32 (a float64 cache passed in under x64
+        keeps its dtype).
       param_dtype: dtype of every parameter (default float32), including ``A_log`` and ``dt_bias``.
       kernel_init: initialiser of every Linear kernel. Default: NVlabs' Xavier-uniform with gain ``2**-2.5``
         (:data:`nvlabs_kernel_init`); FLA's layer keeps PyTorch's default Linear init instead. Biases start
@@ -564,4 +565,7 @@ class GatedDeltaNet2(nnx.Module):
         if restore is not None:
             mask, rank = restore
             y = jnp.where(mask[..., None], jnp.take_along_axis(y, rank[..., None], axis=1), jnp.zeros_like(y))
-        return y, GDN2Cache(state, conv_state)
+        # (the state's dtype is the cache's, float32 without one, whatever the op computed in: a float64 layer under
+        # x64 returns the same state dtype from prefill as from init_cache and decode)
+        state_dtype = jnp.float32 if cache is None else cache.recurrent_state.dtype
+        return y, GDN2Cache(state.astype(state_dtype), conv_state)

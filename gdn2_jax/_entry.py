@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 
+import jax
+
 from kernels import registry
 
 from . import backends
@@ -96,10 +98,11 @@ def call(op: str, args: dict):
         ok = traced_state_pool_valid(idx, acc, initial_state.shape[0], cu_seqlens)
         valid = ok if valid is None else valid & ok
     o, final_state = run_poisoned(valid, run, *arrays, initial_state)
-    if inplace and final_state is not None and final_state.dtype != initial_state.dtype:
-        # the in-place state keeps its buffer's dtype (float64 inputs under x64 compute in float64): a loop
-        # carrying it sees the same type in and out
-        final_state = final_state.astype(initial_state.dtype)
+    # the in-place state keeps its buffer's dtype (float64 inputs under x64 compute in float64): a loop carrying it
+    # sees the same type in and out (as JAX stores it: a NumPy float64 state is float32 on the device without x64)
+    state_dtype = None if initial_state is None else jax.dtypes.canonicalize_dtype(initial_state.dtype)
+    if inplace and final_state is not None and final_state.dtype != state_dtype:
+        final_state = final_state.astype(state_dtype)
     return o, final_state
 
 
@@ -108,7 +111,7 @@ ARGS_DOC = """
       q, k: ``[B, T, H, K]`` queries and keys; float16, bfloat16, float32 (float64 under x64, not on the kernels).
         The erase step ``I - k (b*k)^T`` keeps the state bounded only while ``sum_i b_i k_i^2 <= 2``: pass unit-norm
         keys, or ``use_qk_l2norm_in_kernel=True`` (which the Flax layer always sets), with b in [0, 2]. Larger
-        keys make the state grow exponentially in T, as in FLA (spec section 0).
+        keys make the state grow exponentially in T, as in FLA's ``fla/ops/gdn2``.
       v: ``[B, T, HV, V]`` values. HV must be a positive multiple of H; value head j reads qk head j // (HV/H).
       g: ``[B, T, HV, K]`` per-key-channel decay in natural-log units (decay factor ``exp(g)``, so g <= 0 in
         practice; float32 recommended, bfloat16 accepted).
@@ -118,11 +121,12 @@ ARGS_DOC = """
       initial_state: ``[N, HV, K, V]`` float32 state per sequence (N = B, or ``len(cu_seqlens) - 1``);
         default zeros. float64 is accepted; under x64 it makes the math float64 (without x64, float32).
       output_final_state: if True also return the final state ``[N, HV, K, V]`` (in the compute dtype, below).
-      use_qk_l2norm_in_kernel: L2-normalise q and k over K first (``x * rsqrt(sum x^2 + 1e-6)`` in fp32).
-      cu_seqlens: ``[N + 1]`` int32/int64 offsets of sequences packed along T (requires B == 1). Each sequence
-        starts from ``initial_state[n]`` (or zero); zero-length sequences are allowed. Concrete offsets are
-        checked in Python (ValueError); traced ones are checked on the device, and invalid ones (not starting
-        at 0, decreasing, or not ending at T) make ``o`` and ``final_state`` NaN, and every gradient through
+      use_qk_l2norm_in_kernel: L2-normalise q and k over K first (``x * rsqrt(sum x^2 + 1e-6)`` in the compute
+        dtype: float32, or float64 for float64 inputs under x64).
+      cu_seqlens: ``[N + 1]`` integer (int32 / int64) offsets of sequences packed along T (requires B == 1).
+        Each sequence starts from ``initial_state[n]`` (or zero); zero-length sequences are allowed. Concrete
+        offsets are checked in Python (ValueError); traced ones are checked on the device, and invalid ones (not
+        starting at 0, decreasing, or not ending at T) make ``o`` and ``final_state`` NaN, and every gradient through
         them (an input the loss does not depend on at all, e.g. q for a loss on the final state alone, keeps
         its exact zero gradient). numpy offsets count as concrete, also under ``jax.jit``."""
 

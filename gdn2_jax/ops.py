@@ -25,7 +25,8 @@ def chunk_gdn2(q: Array, k: Array, v: Array, g: Array, b: Array, w: Array, *, sc
     Computes, per sequence and value head, ``S_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t) S_{t−1} + k_t (w_t⊙v_t)ᵀ``
     and ``o_t = scale · S_tᵀ q_t`` (paper eq. 10; FLA ``chunk_gdn2``). Works under ``jax.jit``, ``jax.grad``
     (hand-written chunk-level VJP for all seven inputs q, k, v, g, b, w, initial_state), ``jax.vmap`` and
-    ``jax.checkpoint``.
+    ``jax.checkpoint``. Reverse mode only (the VJP is a ``jax.custom_vjp``): for ``jax.jvp`` / ``jax.jacfwd`` use
+    :func:`naive_chunk_gdn2` or ``fused_recurrent_gdn2(..., backend="xla")``.
     """
     return call("chunk_gdn2", locals())
 

@@ -231,10 +231,14 @@ def check_positive_float(fn: str, name: str, value) -> float:
     if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, float, np.integer, np.floating))
                                                   or is_real_array):
         raise TypeError(f"{fn}: `{name}` must be a Python float, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{fn}: `{name}` must be a finite number > 0, got {value}")
-    return value
+    try:
+        as_float = float(value)
+    except OverflowError:  # (a Python int beyond float's range)
+        raise ValueError(f"{fn}: `{name}` must be a finite number > 0, got an integer too large for a float") \
+            from None
+    if not math.isfinite(as_float) or as_float <= 0:
+        raise ValueError(f"{fn}: `{name}` must be a finite number > 0, got {as_float}")
+    return as_float
 
 
 def _check_scale(fn: str, scale, K: int) -> float:

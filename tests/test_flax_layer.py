@@ -270,6 +270,22 @@ def test_jit_nnx_jit_and_donated_decode():
     assert ratio(y_eager, y_jax) <= 1e-6
 
 
+def test_float64_layer_state_dtype_same_from_prefill_and_decode(x64):
+    """A float64 layer under x64: the recurrent state comes back float32 whether the call starts without a cache
+    (prefill) or from ``init_cache`` (decode), as documented, and prefill-then-decode equals one prefill."""
+    layer = GatedDeltaNet2(D_MODEL, head_dim=HEAD_DIM, num_heads=H, dtype=jnp.float64, param_dtype=jnp.float64,
+                           rngs=nnx.Rngs(3))
+    layer.eval()
+    x = jnp.asarray(rand_x(31, 2, 6), jnp.float64)
+    y, c = layer(x)
+    assert y.dtype == jnp.float64 and c.recurrent_state.dtype == jnp.float32
+    y1, c1 = layer(x[:, :4], cache=layer.init_cache(2))
+    y2, c2 = layer(x[:, 4:], cache=c1)
+    assert c1.recurrent_state.dtype == c2.recurrent_state.dtype == jnp.float32
+    assert ratio(y, jnp.concatenate([y1, y2], axis=1)) <= 1e-6
+    assert ratio(c.recurrent_state, c2.recurrent_state) <= 1e-6
+
+
 def test_param_dtypes_and_bf16_compute():
     layer = GatedDeltaNet2(D_MODEL, head_dim=HEAD_DIM, num_heads=H, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                            rngs=nnx.Rngs(0))

@@ -148,6 +148,7 @@ CASES = [
     ("scale_negative", lambda: _args(scale=-0.5), ValueError, "scale", True),
     ("scale_nan", lambda: _args(scale=math.nan), ValueError, "scale", True),
     ("scale_inf", lambda: _args(scale=math.inf), ValueError, "scale", True),
+    ("scale_huge_int", lambda: _args(scale=10 ** 400), ValueError, "scale", True),  # (beyond float's range)
     ("scale_str", lambda: _args(scale="0.5"), TypeError, "scale", True),
     ("scale_bool", lambda: _args(scale=True), TypeError, "scale", True),
     ("scale_list", lambda: _args(scale=[0.5]), TypeError, "scale", True),
@@ -339,6 +340,25 @@ def test_numpy_float64_inputs_without_x64(fn_name):
                       dict(kw, initial_state=h0.astype(np.float32)))
     np.testing.assert_allclose(np.asarray(o), np.asarray(o32), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(ht), np.asarray(ht32), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("serving", ["inplace", "pool"])
+def test_numpy_float64_state_in_place_without_x64(serving):
+    """A numpy float64 state reused in place (``inplace_final_state``, or a state pool) without x64: the state
+    JAX holds is float32, and so is the returned one, with no dtype-truncation warning from inside the call."""
+    assert not jax.config.jax_enable_x64
+    pos = _rng_inputs(B=2, T=3)
+    h0 = np.random.default_rng(6).standard_normal((2, HV, K, V))  # float64
+    kw = (dict(inplace_final_state=True) if serving == "inplace"
+          else dict(ssm_state_indices=np.array([1, 0], np.int32)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o, ht = fused_recurrent_gdn2(*(pos[n] for n in "qkvgbw"), initial_state=h0, backend="xla", **kw)
+    assert o.dtype == np.float32 and ht.dtype == np.float32 and ht.shape == h0.shape
+    o32, ht32 = fused_recurrent_gdn2(*(pos[n] for n in "qkvgbw"), initial_state=h0.astype(np.float32),
+                                     backend="xla", **kw)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o32))
+    np.testing.assert_array_equal(np.asarray(ht), np.asarray(ht32))
 
 
 # --------------------------------------------------------------------------------------------------
