@@ -98,11 +98,12 @@ def call(op: str, args: dict):
         ok = traced_state_pool_valid(idx, acc, initial_state.shape[0], cu_seqlens)
         valid = ok if valid is None else valid & ok
     o, final_state = run_poisoned(valid, run, *arrays, initial_state)
-    # the in-place state keeps its buffer's dtype (float64 inputs under x64 compute in float64): a loop carrying it
-    # sees the same type in and out (as JAX stores it: a NumPy float64 state is float32 on the device without x64)
-    state_dtype = None if initial_state is None else jax.dtypes.canonicalize_dtype(initial_state.dtype)
-    if inplace and final_state is not None and final_state.dtype != state_dtype:
-        final_state = final_state.astype(state_dtype)
+    if inplace and final_state is not None:
+        # the in-place state keeps its buffer's dtype (float64 inputs under x64 compute in float64): a loop carrying
+        # it sees the same type in and out (as JAX stores it: a NumPy float64 state is float32 without x64)
+        state_dtype = jax.dtypes.canonicalize_dtype(initial_state.dtype)
+        if final_state.dtype != state_dtype:
+            final_state = final_state.astype(state_dtype)
     return o, final_state
 
 
