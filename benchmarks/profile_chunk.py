@@ -10,15 +10,15 @@ its launches over the benchmark grid; or compare kernel variants' accuracy; or t
 Profiling: two warm-up calls, then two profiled launches: the intra-chunk kernel and the state/output kernel
 (TileLang names every kernel ``main_kernel``). ``--time``: do_bench medians (ms) of each launch of each kernel
 variant on the prefill grid, and FLA 0.6.0's ``chunk_gdn2`` in the same process; one JSON line per shape
-(``PROFILE {...}``). Variants (:data:`VARIANTS`; all but ``v5`` keep Aqk's bf16 residual, the default since session
-5): ``default``; ``exact_diag`` (every diagonal block of the intra kernel summed exactly in fp32, the pre-v5
+(``PROFILE {...}``). Variants (:data:`VARIANTS`; all but ``v5`` and ``v5w`` keep Aqk's bf16 residual, the default since
+session 5): ``default``; ``exact_diag`` (every diagonal block of the intra kernel summed exactly in fp32, the pre-v5
 arithmetic); ``bv64`` (state kernel with V-blocks of 64); ``exact_self`` (the diagonal of Aqk in fp32);
 ``tf32_round`` (TF32 operands rounded to nearest); ``precise`` (those two together); ``v5`` (Aqk as plain bf16);
 ``no_prefetch``, ``noftz``, ``neumann``, ``unfused``, ``gemm_tiles``, ``frag_stores``, ``whole_wait`` (the intra
 launch without its cp.async prefetch, without ``-ftz``, with the Neumann-series solve, without the fused slice pass,
 with the anchored products by ``T.gemm``, with Y / U stored from the accumulators, with a slice's four tiles waited
-for at once: each a former default); ``unrolled`` (the slice loop
-unrolled, experimental); ``bv16`` (state kernel with V-blocks of 16); ``bv128w`` (two warpgroups, V-blocks of 128).
+for at once: each a former default); ``unrolled`` (the slice loop unrolled, experimental); ``bv16`` (state kernel
+with V-blocks of 16); ``bv128w`` (two warpgroups, V-blocks of 128); ``v5w`` (``v5`` with ``bv128w``'s state pass).
 ``--accuracy``: o and final-state RMS ratios vs fp64 per variant and FLA (``ACCURACY {...}``); ``--train``: see
 :func:`train_grid` (``TRAIN {...}``). Inputs follow spec §15 (bf16, fp32 g, D = 128). Needs a GPU.
 """
@@ -42,7 +42,8 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "frag_stores": {"smem_epilogue": False},  # (Y / U through shared memory: the default, session 24)
             "unrolled": {"intra_unroll": True},  # (experimental: the slice loop unrolled, session 24)
             "whole_wait": {"g_first": False},  # (g / b waited for before q / k: the default, session 26)
-            "bv128w": {"block_v": 128, "state_threads": 256}}  # (the state pass, 2 warpgroups: inference calls, session 25)
+            "bv128w": {"block_v": 128, "state_threads": 256},  # (the state pass, 2 warpgroups: inference calls, session 25)
+            "v5w": {"aqk_split": False, "block_v": 128, "state_threads": 256}}  # (v5 on bv128w's state pass)
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
