@@ -238,6 +238,12 @@ DSTATE_VARIANTS = {  # forward intra options + state-pass options
     "qg_split, dS split (candidate)": dict(diag="tf32", mode="trunc", aqk_split=True, split_dr=False, qg_split=True),
     "qg_split + z_split, dS split": dict(diag="tf32", mode="trunc", aqk_split=True, split_dr=False, qg_split=True,
                                          z_split=True),
+    "+ blocked_solve (session 22)": dict(diag="tf32", mode="trunc", aqk_split=True, split_dr=False, qg_split=True,
+                                         z_split=True, solve="blocked"),
+    "  AqkL: diagonal blocks only": dict(diag="tf32", mode="trunc", aqk_split="diag", split_dr=False,
+                                         qg_split=True, z_split=True, solve="blocked"),
+    "  no AqkL": dict(diag="tf32", mode="trunc", aqk_split=False, split_dr=False, qg_split=True, z_split=True,
+                      solve="blocked"),
 }
 
 
