@@ -63,8 +63,8 @@ def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, aqk_split=Fa
     TF32 products).
     ``z_split``: U from the exact w v (its bf16 rounding plus residual, two products); ``qg_split``: QG returned
     as bf16 plus its bf16 rounding residual (the training forward's QGL, summed here). ``aqk_split``: Aqk returned
-    as bf16 plus the bf16 rounding residual of its diagonal 16 x 16 blocks (``AqkL``, session 28; ``"whole"``:
-    of every entry, sessions 5-27)."""
+    as bf16 plus its bf16 rounding residual (``AqkL``; ``"diag"``: of its diagonal 16 x 16 blocks only, session
+    28's candidate)."""
     K = q.shape[-1]
     G = np.zeros((C, K), np.float32)
     for d0 in range(0, K, DC):  # the kernel's cumulative sum is per slice, in fp32
@@ -147,8 +147,8 @@ def intra(q, k, g, b, v, w, scale, *, diag, mode, exact_self=False, aqk_split=Fa
         QG = QG.astype(np.float64) + bf16(qg32 - QG)
     KG = st("KG", k * np.exp2(G[-1] - G))
     Aqk = st("Aqk", Qk)
-    if aqk_split:  # bf16 + its bf16 rounding residual (diagonal blocks; "whole": everywhere), two products
-        blocks = aqk_split == "whole" or (np.arange(C)[:, None] // BC == np.arange(C)[None, :] // BC)
+    if aqk_split:  # bf16 + its bf16 rounding residual (everywhere; "diag": diagonal blocks), two products
+        blocks = aqk_split != "diag" or (np.arange(C)[:, None] // BC == np.arange(C)[None, :] // BC)
         Aqk = Aqk + np.where(blocks, bf16(Qk - Aqk), 0)
     return Aqk, Y, U, QG, KG, np.exp2(G[-1]).astype(np.float32)
 
@@ -189,8 +189,8 @@ VARIANTS = {
     "v5 + all three options": dict(diag="tf32", mode="rn", exact_self=True, aqk_split=True),
     "v5 + aqk_split + z_split": dict(diag="tf32", mode="trunc", aqk_split=True, z_split=True),
     "+ blocked_solve (session 22)": dict(diag="tf32", mode="trunc", aqk_split=True, z_split=True, solve="blocked"),
-    "  with the whole AqkL (s5-27)": dict(diag="tf32", mode="trunc", aqk_split="whole", z_split=True,
-                                          solve="blocked"),
+    "  AqkL: diagonal blocks only": dict(diag="tf32", mode="trunc", aqk_split="diag", z_split=True,
+                                         solve="blocked"),
 }
 ABLATIONS = {  # on top of "v5 + exact_self, rn": which rounding points carry the error
     "+ Aqk fp32": dict(keep32=("Aqk",)),

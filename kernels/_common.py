@@ -98,21 +98,25 @@ def tf32_nearest(x):
     return T.Let(T.Let(tv - (tv - xv), {tv: T.fma(xv, T.float32(8192.0), xv)}), {xv: x})
 
 
-def residual_blocks_macro(dtype: str):
-    """TileLang macro ``expand(AsL, AsLc)``: the shared tile ``AsLc [64, AQKL_WIDTH]`` of ``AqkL`` (the residual of
-    Aqk's diagonal 16 x 16 blocks, row r's block at columns ``16 (r // 16)`` on) spread into the ``[64, 64]``
-    operand ``AsL`` of the residual product, zero off the diagonal blocks. Shared by the forward state pass and the
-    reverse one (``kernels/chunk_bwd.py``)."""
+def residual_blocks_macro():
+    """TileLang macro ``spread(AsL, AsLc, first)``, inside a chunk loop: the shared tile ``AsLc [64, AQKL_WIDTH]``
+    of ``AqkL`` (the residual of Aqk's diagonal 16 x 16 blocks, row r's block at columns ``16 (r // 16)`` on)
+    written into the diagonal blocks of the ``[64, 64]`` operand ``AsL`` of the residual product; at the loop's
+    ``first`` chunk the whole of ``AsL`` is cleared first, and nothing writes its other blocks later, so they stay
+    zero. (Cleared inside the loop: before it, TileLang lays the clear out over the producer warps too and fails.)
+    Shared by the forward state pass and the reverse one (``kernels/chunk_bwd.py``)."""
     import tilelang.language as T
 
     W = AQKL_WIDTH
 
     @T.macro
-    def expand(AsL, AsLc):
-        for r, c in T.Parallel(CHUNK, CHUNK):
-            AsL[r, c] = T.if_then_else(c // W == r // W, AsLc[r, c % W], T.cast(0, dtype))
+    def spread(AsL, AsLc, first):
+        if first:
+            T.clear(AsL)
+        for r, c in T.Parallel(CHUNK, W):
+            AsL[r, (r // W) * W + c] = AsLc[r, c]
 
-    return expand
+    return spread
 
 
 def segment_scan_macros(SEG: int, NSEG: int, DC: int):

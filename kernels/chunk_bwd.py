@@ -55,7 +55,7 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
     NP1 = T.dynamic("NP1")
     N = T.dynamic("N") if varlen else B
     NSEQ = NP1 - 1 if varlen else B
-    expand_residual = residual_blocks_macro(dtype)
+    spread_residual = residual_blocks_macro()
     # one T.Tensor per parameter: parameters annotated with the same object would become one buffer
     tok = lambda D, dt=dtype: T.Tensor((B, Tn, HV, D), dt)  # noqa: E731
     st = lambda: T.Tensor((N, HV, K, V), acc)  # noqa: E731
@@ -123,7 +123,7 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                     T.gemm(Ks, SbL, dRf)
                 T.gemm(As, dOs, dRf, transpose_A=True)           # + Aqk^T dO
                 if aqk_split:
-                    expand_residual(AsL, AsLc)
+                    spread_residual(AsL, AsLc, jj == 0)
                     T.gemm(AsL, dOs, dRf, transpose_A=True)
                 for r, e in T.Parallel(C, BV):
                     if j * C + r < ln:

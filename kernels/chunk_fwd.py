@@ -991,7 +991,7 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
     C = CHUNK
     acc = "float32"
     NVB = V // BV
-    expand_residual = residual_blocks_macro(dtype)
+    spread_residual = residual_blocks_macro()
 
     # q, k, g, b, w only fix the type signature's shared dims; launch 2 never takes them
     sig, dims = _signature(H=1, HV=HV, K=K, V=V, dtype=dtype, g_dtype=acc, varlen=varlen)
@@ -1049,7 +1049,7 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
                                               T.cast(0, dtype))
                 T.gemm(As, Rb, Of)
                 if aqk_split:
-                    expand_residual(AsL, AsLc)
+                    spread_residual(AsL, AsLc, j == 0)
                     T.gemm(AsL, Rb, Of)
                 for i, e in T.Parallel(K, BV):
                     S[i, e] = S[i, e] * gs[i]

@@ -929,34 +929,42 @@ def test_gpu_vmap_chunk_takes_the_folded_batch_launch():
 
 
 @pytest.mark.cuda
-def test_gpu_intra_aqk_split_residual_vs_twin():
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_intra_aqk_split_residual_vs_twin(varlen):
     """With ``aqk_split`` (the default) launch 1 also stores the bf16 rounding residual of Aqk's diagonal 16 x 16
     blocks (``AqkL [B, T, HV, 16]``): Aqk itself is unchanged (bit-identical to the launch without it), and on the
     diagonal blocks Aqk + AqkL is closer to the xla twin's fp32 scores than Aqk alone (a residual stored at the
-    wrong columns or rows would not be)."""
+    wrong columns or rows would not be). Dense T = 200, and packed sequences of 0, 70 and 130 tokens (whose chunks
+    start at each sequence's start: the twin runs per sequence)."""
     import torch
 
     from gdn2_jax import xla
     from kernels import registry, torch_api
 
-    B, T, H, HV, K_, V_ = 1, 200, 2, 4, 128, 128
-    x = _gpu_inputs(11, B, T, H, HV, K_, V_, False, "spec")
-    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
-                          use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    H, HV, K_, V_ = 2, 4, 128, 128
+    cu, (B, T, N), x, cfg = _packed_case(11, varlen, H, HV, K_, V_)
     t = {n: _torch(a) for n, a in x.items()}
+    if varlen:
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
     base = torch_api.run_pipeline(registry.get("chunk_gdn2").pipeline(**cfg, aqk_split=False), t,
                                   return_scratch=True)
     split = torch_api.run_pipeline(registry.get("chunk_gdn2").pipeline(**cfg), t, return_scratch=True)
     torch.cuda.synchronize()
     assert torch.equal(base["Aqk"], split["Aqk"])
-    with jax.default_device(jax.devices("cpu")[0]):
-        twin = np.asarray(xla.intra_stage(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "b", "w")),
-                                          scale=K_ ** -0.5)["Aqk"])
     assert tuple(split["AqkL"].shape) == (B, T, HV, 16)
-    hi = _residual_blocks(_np(split["Aqk"]).astype(np.float64))
-    twin = _residual_blocks(twin)
+    his, twins, lows = [], [], []
+    for s0, s1 in (zip(cu[:-1], cu[1:]) if varlen else [(0, T)]):
+        if s1 == s0:
+            continue
+        with jax.default_device(jax.devices("cpu")[0]):
+            twin = np.asarray(xla.intra_stage(*(jnp.asarray(x[n][:, s0:s1]) for n in ("q", "k", "v", "g", "b", "w")),
+                                              scale=K_ ** -0.5)["Aqk"])
+        twins.append(_residual_blocks(twin))
+        his.append(_residual_blocks(_np(split["Aqk"][:, s0:s1]).astype(np.float64)))
+        lows.append(_np(split["AqkL"][:, s0:s1]))
+    hi, twin, low = (np.concatenate(a, axis=1) for a in (his, twins, lows))
     r_hi = _gpu_rms(hi, twin)
-    r_sum = _gpu_rms(hi + _np(split["AqkL"]), twin)
+    r_sum = _gpu_rms(hi + low, twin)
     assert r_sum < 0.7 * r_hi, (r_sum, r_hi)
 
 
