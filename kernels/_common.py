@@ -5,11 +5,15 @@ Part of every kernel's cache key (``kernels/_compile.py`` hashes the ``_common*.
 
 from __future__ import annotations
 
-__all__ = ["CHUNK", "LOG2E", "L2NORM_EPS", "TF32_DY", "drop_params", "product_residual", "rounding_residual",
-           "segment_scan_macros", "tf32_nearest", "tf32_operand"]
+__all__ = ["AQKL_WIDTH", "CHUNK", "LOG2E", "L2NORM_EPS", "TF32_DY", "drop_params", "product_residual",
+           "residual_blocks_macro", "rounding_residual", "segment_scan_macros", "tf32_nearest", "tf32_operand"]
 
 #: Chunk length of the chunked (WY) form. FLA fixes 64 for GDN-2 (4 sub-chunks of 16).
 CHUNK = 64
+#: Columns of ``AqkL``, the bf16 rounding residual of Aqk kept for the diagonal 16 x 16 blocks only: row r of a
+#: chunk holds the residual of Aqk[r, 16 (r // 16) + c], c < 16. The off-diagonal blocks' residuals move o by 0.1%
+#: of its error against fp64 (CPU emulation, session 28), for three times the bytes.
+AQKL_WIDTH = 16
 #: log2(e): kernels keep the within-chunk cumulative decay in base 2 and use ``exp2`` (FLA's ``RCP_LN2``).
 LOG2E = 1.4426950408889634
 #: epsilon of the in-kernel q/k L2 norm ``x * rsqrt(sum x^2 + eps)`` (FLA ``l2norm_fwd``; the jnp path uses it too).
@@ -92,6 +96,27 @@ def tf32_nearest(x):
     # every use)
     xv, tv = tirx.Var("tf32_x", "float32"), tirx.Var("tf32_t", "float32")
     return T.Let(T.Let(tv - (tv - xv), {tv: T.fma(xv, T.float32(8192.0), xv)}), {xv: x})
+
+
+def residual_blocks_macro():
+    """TileLang macro ``spread(AsL, AsLc, first)``, inside a chunk loop: the shared tile ``AsLc [64, AQKL_WIDTH]``
+    of ``AqkL`` (the residual of Aqk's diagonal 16 x 16 blocks, row r's block at columns ``16 (r // 16)`` on)
+    written into the diagonal blocks of the ``[64, 64]`` operand ``AsL`` of the residual product; at the loop's
+    ``first`` chunk the whole of ``AsL`` is cleared first, and nothing writes its other blocks later, so they stay
+    zero. (Cleared inside the loop: before it, TileLang lays the clear out over the producer warps too and fails.)
+    Shared by the forward state pass and the reverse one (``kernels/chunk_bwd.py``)."""
+    import tilelang.language as T
+
+    W = AQKL_WIDTH
+
+    @T.macro
+    def spread(AsL, AsLc, first):
+        if first:
+            T.clear(AsL)
+        for r, c in T.Parallel(CHUNK, W):
+            AsL[r, (r // W) * W + c] = AsLc[r, c]
+
+    return spread
 
 
 def segment_scan_macros(SEG: int, NSEG: int, DC: int):

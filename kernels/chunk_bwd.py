@@ -24,8 +24,8 @@ still jnp (``gdn2_jax.xla.chunk.chunk_backward_from_states``).
 
 
 from . import registry
-from ._common import (CHUNK, LOG2E, TF32_DY, drop_params, rounding_residual, segment_scan_macros, tf32_nearest,
-                      tf32_operand)
+from ._common import (AQKL_WIDTH, CHUNK, LOG2E, TF32_DY, drop_params, residual_blocks_macro, rounding_residual,
+                      segment_scan_macros, tf32_nearest, tf32_operand)
 from ._pipeline import Buf, Launch, Pipeline
 from .chunk_fwd import locate_chunk, seq_span, sizes_fn
 
@@ -55,13 +55,13 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
     NP1 = T.dynamic("NP1")
     N = T.dynamic("N") if varlen else B
     NSEQ = NP1 - 1 if varlen else B
+    spread_residual = residual_blocks_macro()
     # one T.Tensor per parameter: parameters annotated with the same object would become one buffer
     tok = lambda D, dt=dtype: T.Tensor((B, Tn, HV, D), dt)  # noqa: E731
     st = lambda: T.Tensor((N, HV, K, V), acc)  # noqa: E731
-    sig = dict(Aqk=tok(C), AqkL=tok(C), Y=tok(K), QG=tok(K), KG=tok(K), GAM=T.Tensor((B, NT, HV, K), acc),
-               QGL=tok(K), do=tok(V), dht=st(), cu_seqlens=T.Tensor((NP1,), "int32"),
-               dh=T.Tensor((B, NT, HV, K, V), acc),
-               dv=tok(V, acc), dh0=st())
+    sig = dict(Aqk=tok(C), AqkL=tok(AQKL_WIDTH), Y=tok(K), QG=tok(K), KG=tok(K),
+               GAM=T.Tensor((B, NT, HV, K), acc), QGL=tok(K), do=tok(V), dht=st(),
+               cu_seqlens=T.Tensor((NP1,), "int32"), dh=T.Tensor((B, NT, HV, K, V), acc), dv=tok(V, acc), dh0=st())
 
     @T.prim_func
     def main(Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], QG: sig["QG"], KG: sig["KG"], GAM: sig["GAM"],
@@ -74,7 +74,8 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
             dS = T.alloc_fragment((K, BV), acc)
             Ys, Qs, Ks = (T.alloc_shared((C, K), dtype) for _ in range(3))
             As = T.alloc_shared((C, C), dtype)
-            if aqk_split:
+            if aqk_split:  # (AqkL's tile, and the residual product's operand it is spread into)
+                AsLc = T.alloc_shared((C, AQKL_WIDTH), dtype)
                 AsL = T.alloc_shared((C, C), dtype)
             dOs = T.alloc_shared((C, BV), dtype)
             gs = T.alloc_shared((K,), acc)
@@ -107,7 +108,7 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                     T.copy(QGL[bb, t0:t0 + C, hv, :], QsL)
                 T.copy(Aqk[bb, t0:t0 + C, hv, :], As)
                 if aqk_split:
-                    T.copy(AqkL[bb, t0:t0 + C, hv, :], AsL)
+                    T.copy(AqkL[bb, t0:t0 + C, hv, :], AsLc)
                 T.copy(GAM[bb, sbase + j, hv, :], gs)
                 for r, e in T.Parallel(C, BV):  # rows past the sequence end read as zero
                     dOs[r, e] = T.if_then_else(j * C + r < ln, do[bb, t0 + r, hv, v0 + e], T.cast(0, dtype))
@@ -122,6 +123,7 @@ def _dstate_prim(*, HV, K, V, BV, dtype, use_dht, varlen, stages, aqk_split, spl
                     T.gemm(Ks, SbL, dRf)
                 T.gemm(As, dOs, dRf, transpose_A=True)           # + Aqk^T dO
                 if aqk_split:
+                    spread_residual(AsL, AsLc, jj == 0)
                     T.gemm(AsL, dOs, dRf, transpose_A=True)
                 for r, e in T.Parallel(C, BV):
                     if j * C + r < ln:
@@ -885,11 +887,12 @@ def chunk_dstate_pipeline(*, HV: int, K: int, V: int, dtype: str, use_dht: bool,
                           tf32_dr: bool = False, dv_name: str = "dv") -> Pipeline:
     """Pipeline of the reverse state-gradient pass (one launch, see the module docstring).
 
-    Inputs: the forward's scratch ``Aqk`` (and ``AqkL`` when ``aqk_split``, as ``chunk_fwd_pipeline`` stores
-    them), ``Y``, ``QG``, ``KG`` ``[B, T, HV, .]`` (``dtype``: bfloat16 | float16), ``GAM [B, NT, HV, K]`` fp32,
-    ``do [B, T, HV, V]`` (``dtype``), ``dht [N, HV, K, V]`` fp32 when ``use_dht``, ``cu_seqlens [N+1]`` int32 when
-    ``varlen`` (then B == 1). Outputs ``dh [B, NT, HV, K, V]``, ``dv [B, T, HV, V]``, ``dh0 [N, HV, K, V]``, all
-    fp32. K, V in {64, 128}; ``block_v`` (default 16 for HV < 32, else 32, as the forward's state kernel) divides V.
+    Inputs: the forward's scratch ``Aqk`` (and ``AqkL [B, T, HV, 16]`` when ``aqk_split``, as
+    ``chunk_fwd_pipeline`` stores them), ``Y``, ``QG``, ``KG`` ``[B, T, HV, .]`` (``dtype``: bfloat16 | float16),
+    ``GAM [B, NT, HV, K]`` fp32, ``do [B, T, HV, V]`` (``dtype``), ``dht [N, HV, K, V]`` fp32 when ``use_dht``,
+    ``cu_seqlens [N+1]`` int32 when ``varlen`` (then B == 1). Outputs ``dh [B, NT, HV, K, V]``,
+    ``dv [B, T, HV, V]``, ``dh0 [N, HV, K, V]``, all fp32. K, V in {64, 128}; ``block_v`` (default 16 for HV < 32,
+    else 32, as the forward's state kernel) divides V.
     The options are off here (:func:`chunk_bwd_pipeline` takes its defaults from ``kernels.defaults.BACKWARD``):
     ``split_ds``: dS enters the KG dS product in the input dtype plus its rounding residual (two products), so
     that dR carries no rounding of dS; ``split_dr``: the same for dR in the Y^T dR product; ``qg_split``: an

@@ -40,13 +40,14 @@ docs/performance-notes.md, session 4.
 """
 
 from . import defaults, registry
-from ._common import (CHUNK, L2NORM_EPS, LOG2E, TF32_DY, drop_params, product_residual, rounding_residual,
-                      segment_scan_macros, tf32_nearest, tf32_operand)
+from ._common import (AQKL_WIDTH, CHUNK, L2NORM_EPS, LOG2E, TF32_DY, drop_params, product_residual,
+                      residual_blocks_macro, rounding_residual, segment_scan_macros, tf32_nearest, tf32_operand)
 from ._pipeline import Buf, Launch, Pipeline
 
 __all__ = ["STATE_CHOICE_OPTIONS", "STATE_WIDE_OPTIONS", "chunk_fwd_pipeline", "inference_options", "num_chunk_slots"]
 
 SUB = 16
+assert AQKL_WIDTH == SUB  # (launch 1 stores AqkL by its row sub-chunks)
 # a slice's diagonal 16x16 blocks use TF32 products (anchored at each sub-chunk's row 8) when every base-2 log-decay
 # within a sub-chunk lies within this distance of that row's (69 nats over 16 tokens); else exact fp32 sums
 DIAG_HALF_RANGE = 50.0
@@ -174,7 +175,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
         q=T.Tensor((B, Tn, H, K), dtype), k=T.Tensor((B, Tn, H, K), dtype), v=T.Tensor((B, Tn, HV, V), dtype),
         g=T.Tensor((B, Tn, HV, K), g_dtype), b=T.Tensor((B, Tn, HV, K), dtype), w=T.Tensor((B, Tn, HV, V), dtype),
         h0=T.Tensor((N, HV, K, V), f32), cu_seqlens=T.Tensor((NP1,), "int32"),
-        Aqk=T.Tensor((B, Tn, HV, C), dtype), AqkL=T.Tensor((B, Tn, HV, C), dtype),
+        Aqk=T.Tensor((B, Tn, HV, C), dtype), AqkL=T.Tensor((B, Tn, HV, AQKL_WIDTH), dtype),
         Y=T.Tensor((B, Tn, HV, K), dtype), U=T.Tensor((B, Tn, HV, V), dtype),
         QG=T.Tensor((B, Tn, HV, K), dtype), KG=T.Tensor((B, Tn, HV, K), dtype), GAM=T.Tensor((B, NT, HV, K), f32),
         QGL=T.Tensor((B, Tn, HV, K), dtype), Akk=T.Tensor((B, Tn, HV, C), f32),
@@ -902,8 +903,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
                 for r, c in T.Parallel(C, C):
                     if r < valid:
                         Aqk[bb, t0 + r, hv, c] = T.cast(Qk[r, c], dtype)
-                        if aqk_split:  # the rounding residual, so that Aqk + AqkL carries 16 mantissa bits
-                            AqkL[bb, t0 + r, hv, c] = rounding_residual(Qk[r, c], dtype)
+                if aqk_split:  # the diagonal blocks' rounding residual: there Aqk + AqkL carries 16 mantissa bits
+                    for r, c in T.Parallel(C, AQKL_WIDTH):
+                        if r < valid:
+                            AqkL[bb, t0 + r, hv, c] = rounding_residual(Qk[r, (r // BC) * BC + c], dtype)
 
                 # ---- (I + T)^-1 ----
                 if tx < C:
@@ -988,6 +991,7 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
     C = CHUNK
     acc = "float32"
     NVB = V // BV
+    spread_residual = residual_blocks_macro()
 
     # q, k, g, b, w only fix the type signature's shared dims; launch 2 never takes them
     sig, dims = _signature(H=1, HV=HV, K=K, V=V, dtype=dtype, g_dtype=acc, varlen=varlen)
@@ -1004,7 +1008,8 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
             S = T.alloc_fragment((K, BV), acc)
             Ys, Qs, Ks = (T.alloc_shared((C, K), dtype) for _ in range(3))
             As = T.alloc_shared((C, C), dtype)
-            if aqk_split:
+            if aqk_split:  # (AqkL's tile, and the residual product's operand it is spread into)
+                AsLc = T.alloc_shared((C, AQKL_WIDTH), dtype)
                 AsL = T.alloc_shared((C, C), dtype)
             Us = T.alloc_shared((C, BV), dtype)
             gs = T.alloc_shared((K,), acc)
@@ -1026,7 +1031,7 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
                 T.copy(KG[bb, bos + j * C:bos + j * C + C, hv, :], Ks)
                 T.copy(Aqk[bb, bos + j * C:bos + j * C + C, hv, :], As)
                 if aqk_split:
-                    T.copy(AqkL[bb, bos + j * C:bos + j * C + C, hv, :], AsL)
+                    T.copy(AqkL[bb, bos + j * C:bos + j * C + C, hv, :], AsLc)
                 T.copy(U[bb, bos + j * C:bos + j * C + C, hv, v0:v0 + BV], Us)
                 T.copy(GAM[bb, sbase + j, hv, :], gs)
                 if save_states:  # the chunk's start state (FLA ``h``), fp32 (rounded to TF32 with tf32_h)
@@ -1044,6 +1049,7 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
                                               T.cast(0, dtype))
                 T.gemm(As, Rb, Of)
                 if aqk_split:
+                    spread_residual(AsL, AsLc, j == 0)
                     T.gemm(AsL, Rb, Of)
                 for i, e in T.Parallel(K, BV):
                     S[i, e] = S[i, e] * gs[i]
@@ -1112,17 +1118,20 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     float32 | bfloat16, natural-log decay), ``b [B,T,HV,K]`` (``dtype``), ``h0 [N,HV,K,V]`` fp32 when
     ``use_initial_state``, ``cu_seqlens [N+1]`` int32 when ``varlen`` (then B == 1). Outputs ``o [B,T,HV,V]``
     (``dtype``) and, with ``output_final_state``, ``ht [N,HV,K,V]`` fp32. K, V in {64, 128}; HV a multiple of H.
-    Scratch (input dtype unless noted): ``Aqk [B,T,HV,64]`` (and ``AqkL``), ``Y``, ``QG``, ``KG [B,T,HV,K]``,
-    ``U [B,T,HV,V]``, ``GAM [B,NT,HV,K]`` fp32. Tuning knobs: ``block_v`` (V-block of the state kernel; default 16
-    for HV < 32, else 32), ``stages`` (its software-pipeline depth), ``intra_threads`` (threads of the intra-chunk
-    kernel: 128 or 256), ``intra_min_blocks`` (its blocks-per-SM hint, which caps registers) and ``exact_diag``
-    (every diagonal block summed exactly in fp32, never as TF32 products: the arithmetic before kernel v5, for
-    comparisons) and
+    Scratch (input dtype unless noted): ``Aqk [B,T,HV,64]`` (and ``AqkL [B,T,HV,16]``), ``Y``, ``QG``,
+    ``KG [B,T,HV,K]``, ``U [B,T,HV,V]``, ``GAM [B,NT,HV,K]`` fp32. Tuning knobs: ``block_v`` (V-block of the
+    state kernel; default 16 for HV < 32, else 32), ``stages`` (its software-pipeline depth), ``intra_threads``
+    (threads of the intra-chunk kernel: 128 or 256), ``intra_min_blocks`` (its blocks-per-SM hint, which caps
+    registers) and ``exact_diag`` (every diagonal block summed exactly in fp32, never as TF32 products: the
+    arithmetic before kernel v5, for comparisons) and
     ``exact_self`` (experimental: the diagonal of Aqk, the undecayed self terms q_r . k_r, summed in fp32) and
     ``tf32_round`` (experimental: TF32 operands rounded to nearest instead of truncated by the tensor core) and
-    ``aqk_split`` (default on since session 5: Aqk stored as bf16 + its bf16 rounding residual ``AqkL``, a second
-    scratch buffer ``[B,T,HV,64]``, and used as two products in launch 2; o's RMS ratio vs fp64 on the spec case
-    2.87-2.95e-3 instead of 3.21-3.31e-3, for ~3% more time; off reproduces kernel v5).
+    ``aqk_split`` (default on since session 5: Aqk stored as bf16 + the bf16 rounding residual of its diagonal
+    16 x 16 blocks, ``AqkL [B,T,HV,16]`` (row r of a chunk: the residual of Aqk[r, 16 (r // 16) + c], c < 16; the
+    whole residual ``[B,T,HV,64]`` until session 28), used as a second product in launch 2; o's RMS ratio vs fp64
+    on the spec case 2.56e-3 with the whole residual and 2.99e-3 without (H100, session 28), 2.544e-3 with the
+    diagonal blocks' residual alone against 2.542e-3 with the whole (CPU emulation, seeds 0-2); off reproduces
+    kernel v5).
     ``intra_prefetch`` (default from ``kernels.defaults.FORWARD``): launch 1 loads its input tiles by predicated
     ``cp.async`` one channel slice ahead, without TileLang's bounds checks (the same arithmetic: bit-identical
     results; see ``_intra_prim``).
@@ -1228,7 +1237,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         ("cu_seqlens",) if varlen else ())
     scratch = (
         Buf("Aqk", ("B", "T", HV, CHUNK), dtype),
-    ) + ((Buf("AqkL", ("B", "T", HV, CHUNK), dtype),) if aqk_split else ()) + (
+    ) + ((Buf("AqkL", ("B", "T", HV, AQKL_WIDTH), dtype),) if aqk_split else ()) + (
         Buf("Y", ("B", "T", HV, K), dtype),
         Buf("U", ("B", "T", HV, V), dtype),
         Buf("QG", ("B", "T", HV, K), dtype),

@@ -325,6 +325,28 @@ def _bf16(a):
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
 
 
+def _spread_residual(aqkl):
+    """``AqkL [..., T, HV, 16]`` (tokens counted from a chunk start; ``kernels._common.AQKL_WIDTH``) as the
+    ``[..., T, HV, 64]`` residual it stands for: row r of a chunk holds it at columns 16 (r // 16) + c, zero
+    elsewhere (the off-diagonal blocks carry no residual)."""
+    aqkl = np.asarray(aqkl)
+    blk = (np.arange(aqkl.shape[-3]) % 64) // 16
+    out = np.zeros(aqkl.shape[:-1] + (64,), aqkl.dtype)
+    for b in range(4):
+        out[..., blk == b, :, 16 * b:16 * b + 16] = aqkl[..., blk == b, :, :]
+    return out
+
+
+def _residual_blocks(full):
+    """The inverse of :func:`_spread_residual`: each row's diagonal 16 x 16 block of ``[..., T, HV, 64]``."""
+    full = np.asarray(full)
+    blk = (np.arange(full.shape[-3]) % 64) // 16
+    out = np.zeros(full.shape[:-1] + (16,), full.dtype)
+    for b in range(4):
+        out[..., blk == b, :, :] = full[..., blk == b, :, 16 * b:16 * b + 16]
+    return out
+
+
 def _gpu_gates(rng, shape, gdist):
     """fp32 log-decays [B, T, HV, K]. ``swept``: per channel from G_LEVELS (down to -60; the intra kernel's exact
     diagonal path); ``spec``: U(-5, -0.1) (spec §11; mostly its TF32 fast path); ``mixed``: U(-0.3, 0) with one
@@ -432,8 +454,8 @@ def test_gpu_intra_launch_and_state_launch_vs_xla_twins(B, T, H, HV, K_, V_, l2,
     feed = {n: _bf16(twin[n]) for n in ("Aqk", "Y", "U", "QG", "KG")}
     feed["GAM"] = twin["GAM"].astype(np.float32)
     la = pipe.launches[1]
-    if "AqkL" in la.args:  # aqk_split (the default): Aqk's bf16 rounding residual, the second product's operand
-        feed["AqkL"] = _bf16(twin["Aqk"] - feed["Aqk"].astype(np.float32))
+    if "AqkL" in la.args:  # aqk_split (the default): the bf16 rounding residual of Aqk's diagonal blocks
+        feed["AqkL"] = _residual_blocks(_bf16(twin["Aqk"] - feed["Aqk"].astype(np.float32)))
     bufs = {n: _torch(a) for n, a in feed.items()}
     bufs["h0"] = t["h0"]
     shapes = pipe.buffer_shapes({n: tuple(a.shape) for n, a in t.items()})
@@ -446,7 +468,8 @@ def test_gpu_intra_launch_and_state_launch_vs_xla_twins(B, T, H, HV, K_, V_, l2,
     with jax.default_device(jax.devices("cpu")[0]), jax.enable_x64(True):
         f64 = {n: jnp.asarray(np.asarray(a, np.float64)) for n, a in feed.items()}
         ch = {n: layout.dense_to_chunks(f64[n], 64) for n in ("Y", "U", "QG", "KG")}
-        Aqk = layout.dense_to_chunks(f64["Aqk"] + f64.get("AqkL", 0.0), 64)  # [NC, B, HV, C, 64]
+        aqkl = _spread_residual(np.asarray(feed["AqkL"], np.float64)) if "AqkL" in feed else 0.0
+        Aqk = layout.dense_to_chunks(f64["Aqk"] + aqkl, 64)  # [NC, B, HV, C, 64]
         gamC = jnp.moveaxis(f64["GAM"], 1, 0)  # [NC, B, HV, K]
         S = jnp.asarray(x["h0"], jnp.float64)
         outs = []
@@ -906,31 +929,42 @@ def test_gpu_vmap_chunk_takes_the_folded_batch_launch():
 
 
 @pytest.mark.cuda
-def test_gpu_intra_aqk_split_residual_vs_twin():
-    """With ``aqk_split`` (the default) launch 1 also stores Aqk's bf16 rounding residual (``AqkL``): Aqk itself is
-    unchanged (bit-identical to the launch without it), and Aqk + AqkL is closer to the xla twin's fp32 scores than
-    Aqk alone."""
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_intra_aqk_split_residual_vs_twin(varlen):
+    """With ``aqk_split`` (the default) launch 1 also stores the bf16 rounding residual of Aqk's diagonal 16 x 16
+    blocks (``AqkL [B, T, HV, 16]``): Aqk itself is unchanged (bit-identical to the launch without it), and on the
+    diagonal blocks Aqk + AqkL is closer to the xla twin's fp32 scores than Aqk alone (a residual stored at the
+    wrong columns or rows would not be). Dense T = 200, and packed sequences of 0, 70 and 130 tokens (whose chunks
+    start at each sequence's start: the twin runs per sequence)."""
     import torch
 
     from gdn2_jax import xla
     from kernels import registry, torch_api
 
-    B, T, H, HV, K_, V_ = 1, 200, 2, 4, 128, 128
-    x = _gpu_inputs(11, B, T, H, HV, K_, V_, False, "spec")
-    cfg = registry.config(H=H, HV=HV, K=K_, V=V_, dtype="bfloat16", g_dtype="float32", scale=K_ ** -0.5,
-                          use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    H, HV, K_, V_ = 2, 4, 128, 128
+    cu, (B, T, N), x, cfg = _packed_case(11, varlen, H, HV, K_, V_)
     t = {n: _torch(a) for n, a in x.items()}
+    if varlen:
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
     base = torch_api.run_pipeline(registry.get("chunk_gdn2").pipeline(**cfg, aqk_split=False), t,
                                   return_scratch=True)
     split = torch_api.run_pipeline(registry.get("chunk_gdn2").pipeline(**cfg), t, return_scratch=True)
     torch.cuda.synchronize()
     assert torch.equal(base["Aqk"], split["Aqk"])
-    with jax.default_device(jax.devices("cpu")[0]):
-        twin = np.asarray(xla.intra_stage(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "b", "w")),
-                                          scale=K_ ** -0.5)["Aqk"])
-    hi = _np(split["Aqk"]).astype(np.float64)
+    assert tuple(split["AqkL"].shape) == (B, T, HV, 16)
+    his, twins, lows = [], [], []
+    for s0, s1 in (zip(cu[:-1], cu[1:]) if varlen else [(0, T)]):
+        if s1 == s0:
+            continue
+        with jax.default_device(jax.devices("cpu")[0]):
+            twin = np.asarray(xla.intra_stage(*(jnp.asarray(x[n][:, s0:s1]) for n in ("q", "k", "v", "g", "b", "w")),
+                                              scale=K_ ** -0.5)["Aqk"])
+        twins.append(_residual_blocks(twin))
+        his.append(_residual_blocks(_np(split["Aqk"][:, s0:s1]).astype(np.float64)))
+        lows.append(_np(split["AqkL"][:, s0:s1]))
+    hi, twin, low = (np.concatenate(a, axis=1) for a in (his, twins, lows))
     r_hi = _gpu_rms(hi, twin)
-    r_sum = _gpu_rms(hi + _np(split["AqkL"]), twin)
+    r_sum = _gpu_rms(hi + low, twin)
     assert r_sum < 0.7 * r_hi, (r_sum, r_hi)
 
 
@@ -1043,7 +1077,6 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, opts):
         torch.testing.assert_close(r1[n], r2[n], rtol=0, atol=0, equal_nan=True, msg=n)
     got = {n: _np(r1[n]) for n in ("dh", "dv", "dh0")}
     sc = {n: _np(fwd[n]) for n in scn}
-    aqk = sc["Aqk"].astype(np.float64) + sc["AqkL"]
     qg = sc["QG"].astype(np.float64) + (sc["QGL"] if qgs else 0.0)
     starts = cu[:-1] if varlen else [0] * N
     lens = np.diff(cu) if varlen else [T] * N
@@ -1055,10 +1088,11 @@ def test_gpu_dstate_launch_vs_xla_twin(varlen, opts):
             np.testing.assert_array_equal(got["dh0"][n_], dht[n_])
             continue
         tk = slice(s0, s0 + L)
-        dh, dv, dh0 = _dstate_twin(aqk[bb, tk], sc["Y"][bb, tk], qg[bb, tk], sc["KG"][bb, tk],
+        aqk = sc["Aqk"][bb, tk].astype(np.float64) + _spread_residual(sc["AqkL"][bb, tk])  # (rows from s0)
+        dh, dv, dh0 = _dstate_twin(aqk, sc["Y"][bb, tk], qg[bb, tk], sc["KG"][bb, tk],
                                    sc["GAM"][bb, slot0:slot0 + nc], np.asarray(do[bb, tk], np.float32), dht[n_])
         if qgs:  # the twin without QGL's product: the kernel must be nearer the twin with it
-            _, _, dh0_q = _dstate_twin(aqk[bb, tk], sc["Y"][bb, tk], sc["QG"][bb, tk], sc["KG"][bb, tk],
+            _, _, dh0_q = _dstate_twin(aqk, sc["Y"][bb, tk], sc["QG"][bb, tk], sc["KG"][bb, tk],
                                        sc["GAM"][bb, slot0:slot0 + nc], np.asarray(do[bb, tk], np.float32), dht[n_])
         for name, a, ref in (("dh", got["dh"][bb, slot0:slot0 + nc], dh), ("dv", got["dv"][bb, tk], dv),
                              ("dh0", got["dh0"][n_], dh0)):
