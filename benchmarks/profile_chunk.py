@@ -18,7 +18,8 @@ arithmetic); ``bv64`` (state kernel with V-blocks of 64); ``exact_self`` (the di
 launch without its cp.async prefetch, without ``-ftz``, with the Neumann-series solve, without the fused slice pass,
 with the anchored products by ``T.gemm``, with Y / U stored from the accumulators, with a slice's four tiles waited
 for at once: each a former default); ``unrolled`` (the slice loop unrolled, experimental); ``bv16`` (state kernel
-with V-blocks of 16); ``bv128w`` (two warpgroups, V-blocks of 128); ``v5w`` (``v5`` with ``bv128w``'s state pass).
+with V-blocks of 16); ``bv128w`` (two warpgroups, V-blocks of 128); ``v5w`` (``v5`` with ``bv128w``'s state pass);
+``bv32`` (V-blocks of 32), ``s3`` (the state pass's software pipeline three stages deep), ``bv16s3``, ``bv32s3``.
 ``--accuracy``: o and final-state RMS ratios vs fp64 per variant and FLA (``ACCURACY {...}``); ``--train``: see
 :func:`train_grid` (``TRAIN {...}``). Inputs follow spec §15 (bf16, fp32 g, D = 128). Needs a GPU.
 """
@@ -43,7 +44,10 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "unrolled": {"intra_unroll": True},  # (experimental: the slice loop unrolled, session 24)
             "whole_wait": {"g_first": False},  # (g / b waited for before q / k: the default, session 26)
             "bv128w": {"block_v": 128, "state_threads": 256},  # (the state pass, 2 warpgroups: inference calls, session 25)
-            "v5w": {"aqk_split": False, "block_v": 128, "state_threads": 256}}  # (v5 on bv128w's state pass)
+            "v5w": {"aqk_split": False, "block_v": 128, "state_threads": 256},  # (v5 on bv128w's state pass)
+            # the state pass's V-block and pipeline depth on its own (session 30: the H200's choice per shape)
+            "bv32": {"block_v": 32}, "s3": {"stages": 3}, "bv16s3": {"block_v": 16, "stages": 3},
+            "bv32s3": {"block_v": 32, "stages": 3}}
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
@@ -200,10 +204,13 @@ def time_grid(variants, shapes=None):
         x = bench_lib.torch_inputs(B, T, H, H, seed=0)
         row = {"B": B, "T": T, "H": H}
         for name in variants:
-            calls = bench_lib.stage_callables(bench_lib.chunk_pipeline(H, H, **VARIANTS[name]), x)
-            for la, fn in calls:
-                row[f"{name}:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
-            del calls
+            try:  # (a variant that fails to build or launch on this shape is reported, and the others still run)
+                calls = bench_lib.stage_callables(bench_lib.chunk_pipeline(H, H, **VARIANTS[name]), x)
+                for la, fn in calls:
+                    row[f"{name}:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
+                del calls
+            except Exception as e:
+                row[f"{name}:error"] = repr(e)[:200]
             torch.cuda.empty_cache()
         try:
             from fla.ops.gdn2 import chunk_gdn2 as fla_chunk

@@ -110,6 +110,9 @@ def preset(name: str) -> list[dict]:
     profile += [dict(cfg(h, h, 128), intra_unroll=True) for h in (4, 16, 32)]  # profile_chunk's "unrolled"
     profile += [dict(cfg(h, h, 128), g_first=False) for h in (4, 16, 32)]  # profile_chunk's "whole_wait"
     profile += [dict(cfg(h, h, 128), block_v=128, state_threads=256) for h in (16, 32)]  # profile_chunk's "bv128w"
+    # profile_chunk's "bv16", "bv32", "s3", "bv16s3", "bv32s3": the state pass's V-block and pipeline depth
+    profile += [dict(cfg(h, h, 128), **opt) for h in (16, 32) for opt in (
+        dict(block_v=16), dict(block_v=32), dict(stages=3), dict(block_v=16, stages=3), dict(block_v=32, stages=3))]
     # experimental backward variants (tests/test_stages.py, profile_chunk.py --train-launches)
     bwd_variants = (dict(intra_v2=False), dict(intra_v2=False, reg_diag=True), dict(intra_tc=True),
                     dict(intra_fast_diag=True), dict(intra_tc=True, intra_fast_diag=True),
