@@ -19,7 +19,8 @@ launch without its cp.async prefetch, without ``-ftz``, with the Neumann-series 
 with the anchored products by ``T.gemm``, with Y / U stored from the accumulators, with a slice's four tiles waited
 for at once: each a former default); ``unrolled`` (the slice loop unrolled, experimental); ``bv16`` (state kernel
 with V-blocks of 16); ``bv128w`` (two warpgroups, V-blocks of 128); ``v5w`` (``v5`` with ``bv128w``'s state pass);
-``bv32`` (V-blocks of 32), ``s3`` (the state pass's software pipeline three stages deep), ``bv16s3``, ``bv32s3``.
+``bv32`` (V-blocks of 32), ``s3`` (the state pass's software pipeline three stages deep), ``bv16s3``, ``bv32s3``;
+``sync``, ``sync128w`` (the state pass's products issued one at a time, each waited for: before ``state_async``).
 ``--accuracy``: o and final-state RMS ratios vs fp64 per variant and FLA (``ACCURACY {...}``); ``--train``: see
 :func:`train_grid` (``TRAIN {...}``). Inputs follow spec §15 (bf16, fp32 g, D = 128). Needs a GPU.
 """
@@ -47,7 +48,9 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "v5w": {"aqk_split": False, "block_v": 128, "state_threads": 256},  # (v5 on bv128w's state pass)
             # the state pass's V-block and pipeline depth on its own (session 30: the H200's choice per shape)
             "bv32": {"block_v": 32}, "s3": {"stages": 3}, "bv16s3": {"block_v": 16, "stages": 3},
-            "bv32s3": {"block_v": 32, "stages": 3}}
+            "bv32s3": {"block_v": 32, "stages": 3},
+            # the state pass's products issued synchronously (before session 30's state_async)
+            "sync": {"state_async": False}, "sync128w": {"block_v": 128, "state_threads": 256, "state_async": False}}
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):

@@ -110,6 +110,10 @@ def preset(name: str) -> list[dict]:
     profile += [dict(cfg(h, h, 128), intra_unroll=True) for h in (4, 16, 32)]  # profile_chunk's "unrolled"
     profile += [dict(cfg(h, h, 128), g_first=False) for h in (4, 16, 32)]  # profile_chunk's "whole_wait"
     profile += [dict(cfg(h, h, 128), block_v=128, state_threads=256) for h in (16, 32)]  # profile_chunk's "bv128w"
+    # profile_chunk's "sync" and "sync128w": the state pass's products issued synchronously (before session 30)
+    sync = [dict(cfg(h, h, 128), state_async=False, **o) for h in (16, 32) for o in ({}, STATE_WIDE_OPTIONS)]
+    profile += sync
+    bench += sync
     # profile_chunk's "bv16", "bv32", "s3", "bv16s3", "bv32s3": the state pass's V-block and pipeline depth
     profile += [dict(cfg(h, h, 128), **opt) for h in (16, 32) for opt in (
         dict(block_v=16), dict(block_v=32), dict(stages=3), dict(block_v=16, stages=3), dict(block_v=32, stages=3))]
@@ -164,6 +168,14 @@ def preset(name: str) -> list[dict]:
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES for bv in (False, True)]
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), block_v=v, state_threads=256)
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES]
+    # the state pass with its products issued synchronously (tests/test_stages.py: the default, asynchronous one is
+    # bit-identical to it), and the training forward's launches of those cases
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), state_async=False, **o)
+              for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES
+              for o in ({}, dict(block_v=v, state_threads=256), dict(save_states=True))]
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), save_states=True)
+              for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES]
+    tests += [dict(cfg(4, 4, 128), state_async=False)]
     # the forward intra launch on the prefetch cases with one default option off, what tests/test_stages.py
     # compares the default with: without the fused slice pass (fused_slice bit-identical to it), the anchored
     # products by T.gemm (warp_tiles), Y / U stored from the accumulators (smem_epilogue), each slice waiting for all

@@ -985,7 +985,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
 # launch 2: sequential state passing + output
 # ----------------------------------------------------------------------------------------------------------------
 def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_split=False, save_states=False,
-                tf32_h=False, threads=128):
+                tf32_h=False, threads=128, async_mma=False):
     import tilelang.language as T
 
     C = CHUNK
@@ -1016,6 +1016,8 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
             Sb = T.alloc_shared((K, BV), dtype)
             Rb = T.alloc_shared((C, BV), dtype)
             Rf, Of = (T.alloc_fragment((C, BV), acc) for _ in range(2))
+            if async_mma:  # (a read of each loaded tile after the wait for its product: see below)
+                keep = T.alloc_local((4,), dtype)
 
             bb, bos, ln, sbase = seq_span(n, cu_seqlens, Tn, varlen)
 
@@ -1038,8 +1040,14 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
                     for i, e in T.Parallel(K, BV):
                         h[bb, sbase + j, hv, i, v0 + e] = tf32_nearest(S[i, e]) if tf32_h else S[i, e]
                 T.copy(S, Sb)
-                T.gemm(Ys, Sb, Rf, clear_accum=True)
-                T.gemm(Qs, Sb, Of, clear_accum=True)
+                if async_mma:  # both products of Sb in flight at once; R's is waited for, o's runs on
+                    T.wgmma_gemm(Ys, Sb, Rf, clear_accum=True)
+                    T.wgmma_gemm(Qs, Sb, Of, clear_accum=True)
+                    T.wait_wgmma(1)
+                    keep[0] = Ys[0, 0]  # (the pipeline releases a tile's slot after its last read: after the wait)
+                else:
+                    T.gemm(Ys, Sb, Rf, clear_accum=True)
+                    T.gemm(Qs, Sb, Of, clear_accum=True)
                 if save_states:  # R = U - Y S0 (FLA ``v_new``), fp32, the sequence's rows only
                     for r, e in T.Parallel(C, BV):
                         if j * C + r < ln:
@@ -1047,13 +1055,27 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
                 for r, e in T.Parallel(C, BV):
                     Rb[r, e] = T.if_then_else(j * C + r < ln, T.cast(T.cast(Us[r, e], acc) - Rf[r, e], dtype),
                                               T.cast(0, dtype))
-                T.gemm(As, Rb, Of)
-                if aqk_split:
-                    spread_residual(AsL, AsLc, j == 0)
-                    T.gemm(AsL, Rb, Of)
-                for i, e in T.Parallel(K, BV):
-                    S[i, e] = S[i, e] * gs[i]
-                T.gemm(Ks, Rb, S, transpose_A=True)
+                if async_mma:  # the three products of R issued together, one wait: the same sums in the same order
+                    if aqk_split:
+                        spread_residual(AsL, AsLc, j == 0)
+                    for i, e in T.Parallel(K, BV):
+                        S[i, e] = S[i, e] * gs[i]
+                    T.wgmma_gemm(As, Rb, Of)
+                    if aqk_split:
+                        T.wgmma_gemm(AsL, Rb, Of)
+                    T.wgmma_gemm(Ks, Rb, S, transpose_A=True)
+                    T.wait_wgmma(0)
+                    keep[1] = Qs[0, 0]
+                    keep[2] = As[0, 0]
+                    keep[3] = Ks[0, 0]
+                else:
+                    T.gemm(As, Rb, Of)
+                    if aqk_split:
+                        spread_residual(AsL, AsLc, j == 0)
+                        T.gemm(AsL, Rb, Of)
+                    for i, e in T.Parallel(K, BV):
+                        S[i, e] = S[i, e] * gs[i]
+                    T.gemm(Ks, Rb, S, transpose_A=True)
                 for r, e in T.Parallel(C, BV):
                     if j * C + r < ln:
                         o[bb, bos + j * C + r, hv, v0 + e] = T.cast(Of[r, e], dtype)
@@ -1111,7 +1133,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        intra_ftz: bool | None = None, blocked_solve: bool | None = None,
                        fused_slice: bool | None = None, warp_tiles: bool | None = None,
                        smem_epilogue: bool | None = None, intra_unroll: bool = False,
-                       g_first: bool | None = None, state_threads: int = 128) -> Pipeline:
+                       g_first: bool | None = None, state_threads: int = 128,
+                       state_async: bool | None = None) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -1183,6 +1206,12 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     (sm_90a: 168 registers, 209 KiB of shared memory), so that Y, QG, KG and Aqk are read once per head instead of
     once per V-block; its products sum over K and a chunk's rows as before (bit-identical). Inference calls with
     many sequences x value heads choose it (``inference_options``).
+    ``state_async`` (default from ``kernels.defaults.FORWARD``): launch 2 issues its products asynchronously
+    (``T.wgmma_gemm``): Y S and QG S together, waiting for the first only; then Aqk R, AqkL R and KG^T R
+    together, one wait. Each TMA-loaded tile is read once more after the wait for its product, because TileLang's
+    pipeline releases a slot to the producer after the tile's last read in the loop body (without that read the
+    release came right after the issue, before the product was done). The same products summed in the same
+    order: bit-identical results.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -1212,6 +1241,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     warp_tiles = _forward_default(fn, "warp_tiles", warp_tiles, on_fused)
     smem_epilogue = _forward_default(fn, "smem_epilogue", smem_epilogue)
     g_first = _forward_default(fn, "g_first", g_first, on_fused)
+    state_async = _forward_default(fn, "state_async", state_async)
     if tf32_states is None:  # (a bool by construction)
         tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] in TF32_DY
     if not isinstance(tf32_states, bool):
@@ -1277,6 +1307,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                                       ("tf32_h", tf32_states)) if on})
     if state_threads != 128:  # (the key of the 128-thread launch stays as it was)
         kw2["threads"] = int(state_threads)
+    if state_async:
+        kw2["async_mma"] = True
     state = Launch(
         name="gdn2_chunk_state_o",
         key=("gdn2_chunk_state_o", _VERSION) + tuple(sorted(kw2.items())),

@@ -29,8 +29,12 @@ __all__ = ["BACKWARD", "FORWARD"]
 #: whole rows, not as 4-byte stores from the tensor-core accumulators (bit-identical results). Session 24.
 #: ``g_first``: each channel slice waits for its g and b first and for its q and k after the cumulative sum
 #: (bit-identical results). Session 26 (``docs/performance-notes.md``).
+#: ``state_async``: launch 2 (the state pass) issues its products asynchronously (``T.wgmma_gemm``), Y S and QG S
+#: together and then Aqk R, AqkL R and KG^T R together, one ``T.wait_wgmma`` per group, and releases each loaded
+#: tile's pipeline slot only after that wait (bit-identical results). Session 30 (``docs/performance-notes.md``):
+#: compiled and tested on the CPU only, candidate for the B = 1 shapes' latency-bound state pass.
 FORWARD = dict(intra_prefetch=True, z_split=True, intra_ftz=True, blocked_solve=True, fused_slice=True,
-               warp_tiles=True, smem_epilogue=True, g_first=True)
+               warp_tiles=True, smem_epilogue=True, g_first=True, state_async=True)
 
 #: ``split_ds``: the reverse state pass feeds dS to the KG dS product as a 16-bit value plus its rounding residual
 #: (db 3.29e-3 instead of 3.87e-3 vs fp64 on the benchmark's gradient case, seed 77; session 10, when the option

@@ -543,8 +543,8 @@ def _case_config(cu, H, HV, K_, V_, l2, dtype, g_dtype):
 
 def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
     """Every launch that the GPU tests of ``smem_epilogue`` on the other launches, ``intra_unroll``, the
-    two-warpgroup state pass and ``g_first`` (its launches without it) build is in the ``tests`` preset, so the
-    device compiles it ahead of time in parallel rather than inside the test."""
+    two-warpgroup state pass, ``g_first`` (its launches without it) and ``state_async`` build is in the ``tests``
+    preset, so the device compiles it ahead of time in parallel rather than inside the test."""
     from kernels import build, registry
     from kernels.build import _BV_CASES
 
@@ -561,8 +561,13 @@ def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
     for varlen, H, HV, K_, V_, l2, dtype, g_dtype in _BV_CASES:
         cfg = _case_config([0] if varlen else None, H, HV, K_, V_, l2, dtype, g_dtype)
         need += [la for opts in ({}, dict(block_v=V_, state_threads=256)) for la in op.pipeline(**cfg, **opts).launches]
+        need += [la for o in ({}, dict(block_v=V_, state_threads=256), dict(save_states=True))
+                 for la in op.pipeline(**cfg, state_async=False, **o).launches]  # (test_gpu_state_async_bit_identical)
+        need += list(op.pipeline(**cfg, save_states=True).launches)
+    cfg4 = _case_config(None, 4, 4, 128, 128, False, "bfloat16", "float32")
+    need += list(op.pipeline(**cfg4, state_async=False).launches)
     missing = [la.key for la in need if (la.name, la.key, la.pass_configs) not in have]
-    assert len(need) == 31 and not missing, missing
+    assert len(need) == 31 + 4 * 8 + 2 and not missing, missing
 
 
 def _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist):
@@ -890,6 +895,48 @@ def test_gpu_state_two_warpgroups_bit_identical(case, monkeypatch):
     if case == 0:  # the public call at 8 sequences x 32 heads (K = V = 128) takes this launch
         assert STATE_WIDE_OPTIONS == {"block_v": 128, "state_threads": 256}
         _assert_public_call_takes(8, STATE_WIDE_OPTIONS, monkeypatch)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", range(4))
+def test_gpu_state_async_bit_identical(case):
+    """The state pass with its products issued asynchronously (``state_async``, the default: ``T.wgmma_gemm`` with
+    one ``T.wait_wgmma`` per group, each loaded tile's slot released only after the wait for its product) gives o,
+    the final state and, in the training forward (``save_states``), the per-chunk states ``h`` and ``v_new``
+    bit-identical to the synchronous launch (``state_async=False``): the same products summed in the same order.
+    ``_BV_CASES`` (dense GVA, packed sequences with an empty and a one-token one, the in-kernel L2 norm, fp16 with
+    bf16 g, K = V = 64), with the default V-blocks and with two warpgroups; then 3 runs of a 128-chunk sequence (B1
+    T8192 H4), where a slot refilled while its product still read it would show."""
+    import torch
+
+    from kernels import defaults, registry, torch_api
+
+    cfg, t, V_ = _bv_case(23 + case, case)
+    op = registry.get("chunk_gdn2")
+    pairs = [({"state_async": False}, {}), ({"block_v": V_, "state_threads": 256, "state_async": False},
+                                             {"block_v": V_, "state_threads": 256}),
+             ({"save_states": True, "state_async": False}, {"save_states": True})]
+    assert defaults.FORWARD["state_async"]  # (the default launches are the asynchronous ones)
+    for base, opts in pairs:
+        assert ("async_mma", True) in op.pipeline(**cfg, **opts).launches[1].key
+        assert ("async_mma", True) not in op.pipeline(**cfg, **base).launches[1].key
+        runs = [torch_api.run_pipeline(op.pipeline(**cfg, **o), t) for o in (base, opts)]
+        torch.cuda.synchronize()
+        assert set(runs[0]) == set(runs[1]) and {"o", "ht"} <= set(runs[0]), (sorted(runs[0]), sorted(runs[1]))
+        if base.get("save_states"):
+            assert {"h", "v_new"} <= set(runs[0])
+        for n in runs[0]:
+            assert bool(torch.isfinite(runs[0][n].float()).all()), (base, n)
+            assert torch.equal(runs[0][n], runs[1][n]), (base, n, float((runs[0][n].float()
+                                                                          - runs[1][n].float()).abs().max()))
+    if case == 0:
+        cfg, t = _prefetch_case(31, None, 1, 8192, 4, 4, 128, 128, False, "bfloat16", "float32", "spec")
+        t["h0"] = _torch(np.random.default_rng(31).standard_normal((1, 4, 128, 128)).astype(np.float32))
+        ref = torch_api.run_pipeline(op.pipeline(**cfg, state_async=False), t)
+        for _ in range(3):
+            got = torch_api.run_pipeline(op.pipeline(**cfg), t)
+            torch.cuda.synchronize()
+            assert torch.equal(got["o"], ref["o"]) and torch.equal(got["ht"], ref["ht"])
 
 
 @pytest.mark.cuda

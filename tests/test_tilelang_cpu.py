@@ -1258,3 +1258,60 @@ def test_every_kernel_compiles_for_sm90a_on_cpu(name, pipe, monkeypatch, tmp_pat
         blob = path.read_bytes()
         assert b"sm_90a" in blob or b"sm_90" in blob  # device code for Hopper embedded in the library
         assert tvm_ffi.load_module(str(path))["main"] is not None
+
+
+@needs_tilelang
+@pytest.mark.slow
+@pytest.mark.parametrize("opts", [{}, {"block_v": 128, "state_threads": 256}, {"save_states": True}])
+def test_state_async_key_and_release_order(opts):
+    """``state_async`` (the default since session 30, ``kernels.defaults.FORWARD``) names itself in the state
+    launch's key when on only (a value that is not a bool: ValueError), and compiles to the order it relies on: in
+    the consumer's chunk loop, the products are issued by ``wgmma`` without a wait after each (two waits per chunk,
+    ``wait_wgmma<1>`` then ``wait_wgmma<0>``), and the pipeline slot of every tile a product reads (Y, QG, Aqk, KG,
+    mapped from the producer's ``mbarrier`` wait before its TMA load) is released (``mbarrier[...].arrive()``) only
+    after a wait that follows that product's issue. Off: one ``warpgroup_wait<0>`` after each product. Bench
+    configuration, H = 32; with two warpgroups; with ``save_states``. (Bit-identity and three reruns on a long
+    sequence: ``tests/test_stages.py::test_gpu_state_async_bit_identical``.)"""
+    import tilelang
+
+    from kernels import defaults
+    from kernels.chunk_fwd import chunk_fwd_pipeline
+
+    kw = dict(H=32, HV=32, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False, **opts)
+    assert defaults.FORWARD["state_async"] is True
+    on = chunk_fwd_pipeline(**kw).launches[1]
+    off = chunk_fwd_pipeline(**kw, state_async=False).launches[1]
+    assert dict(on.key[2:])["async_mma"] is True and "async_mma" not in dict(off.key[2:])
+    with pytest.raises(ValueError, match="state_async must be a bool, got 1$"):
+        chunk_fwd_pipeline(**kw, state_async=1)
+
+    def lines(launch):
+        return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                                pass_configs=dict(launch.pass_configs)).get_kernel_source().splitlines()
+
+    src = lines(on)
+    loops = [i for i, x in enumerate(src) if re.match(r"\s*for \(int j(_1)? = 0; j(_1)? < ", x)]
+    assert len(loops) == 2, loops  # (the producer's loop over chunks, then the consumer's)
+    producer, consumer = src[loops[0]:loops[1]], src[loops[1]:]
+    slot = {}  # release barrier offset -> the shared tile its TMA load refills
+    for i, x in enumerate(producer):
+        m = re.match(r"\s*mbarrier\[\(\(j & 1\) \+ (\d+)\)\]\.wait\(", x)
+        if m:
+            load = next(y for y in producer[i + 1:] if "tl::tma_load(" in y)
+            slot[m.group(1)] = re.search(r"\(\(\w+\*\)(\w+)\)\[", load).group(1)
+    assert {"Ys", "Qs", "As", "Ks"} <= set(slot.values()), slot
+    assert not [x for x in consumer if "warpgroup_wait" in x]
+    waits = [i for i, x in enumerate(consumer) if "tl::wait_wgmma<" in x]
+    assert [consumer[i].strip() for i in waits] == ["tl::wait_wgmma<1>();", "tl::wait_wgmma<0>();"]
+    for buf in ("Ys", "Qs", "As", "Ks"):
+        reads = [i for i, x in enumerate(consumer) if "initialize_wgmma_descriptor" in x
+                 and "(bfloat16_t*)%s)" % buf in x]
+        (off_,) = [k for k, v in slot.items() if v == buf]
+        release = r"\s*mbarrier\[\(\(j_1 & 1\) \+ %s\)\]\.arrive\(\);" % off_
+        rel = [i for i, x in enumerate(consumer) if re.match(release, x)]
+        assert len(reads) == 1 and len(rel) == 1, (buf, reads, rel)
+        assert any(reads[0] < w < rel[0] for w in waits), (buf, reads, rel, waits)
+    off_src = lines(off)
+    assert not [x for x in off_src if "wait_wgmma" in x]
+    assert sum("warpgroup_wait<0>" in x for x in off_src) == sum("warpgroup_commit_batch" in x for x in off_src) > 0
