@@ -175,7 +175,9 @@ def preset(name: str) -> list[dict]:
               for o in ({}, dict(block_v=v, state_threads=256), dict(save_states=True))]
     tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), save_states=True)
               for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES]
-    tests += [dict(cfg(4, 4, 128), state_async=False)]
+    # (its three reruns of a 128-chunk sequence: the default V-blocks, two warpgroups, the training forward)
+    tests += [dict(cfg(4, 4, 128), **o, **a) for o in ({}, STATE_WIDE_OPTIONS, dict(save_states=True))
+              for a in ({}, dict(state_async=False))]
     # the forward intra launch on the prefetch cases with one default option off, what tests/test_stages.py
     # compares the default with: without the fused slice pass (fused_slice bit-identical to it), the anchored
     # products by T.gemm (warp_tiles), Y / U stored from the accumulators (smem_epilogue), each slice waiting for all
