@@ -564,10 +564,11 @@ def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
         need += [la for o in ({}, dict(block_v=V_, state_threads=256), dict(save_states=True))
                  for la in op.pipeline(**cfg, state_async=False, **o).launches]  # (test_gpu_state_async_bit_identical)
         need += list(op.pipeline(**cfg, save_states=True).launches)
-    cfg4 = _case_config(None, 4, 4, 128, 128, False, "bfloat16", "float32")
-    need += list(op.pipeline(**cfg4, state_async=False).launches)
+    cfg4 = _case_config(None, 4, 4, 128, 128, False, "bfloat16", "float32")  # (its reruns of a long sequence)
+    need += [la for o in ({}, dict(block_v=128, state_threads=256), dict(save_states=True)) for a in (False, True)
+             for la in op.pipeline(**cfg4, state_async=a, **o).launches]
     missing = [la.key for la in need if (la.name, la.key, la.pass_configs) not in have]
-    assert len(need) == 31 + 4 * 8 + 2 and not missing, missing
+    assert len(need) == 31 + 4 * 8 + 6 * 2 and not missing, missing
 
 
 def _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist):
