@@ -38,6 +38,14 @@ S = jax.ShapeDtypeStruct
 BF = jnp.bfloat16
 
 
+def _cuda_source(launch: Launch) -> str:
+    """The CUDA source TileLang generates for ``launch`` on sm_90a (its own pass configs; compiled, not run)."""
+    import tilelang
+
+    return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
+                            pass_configs=dict(launch.pass_configs)).get_kernel_source()
+
+
 @pytest.fixture(autouse=True)
 def _pretend_hopper(monkeypatch):
     """Lowering for CUDA needs no GPU: let backend="tilelang" pass the device check on this CPU host (nothing is
@@ -318,16 +326,13 @@ def test_backward_intra_masks_every_global_access_itself(varlen, HV, KV, g_dtype
     """The intra launch of version 2 is compiled with TileLang's bounds checks switched off
     (``tl.disable_safe_memory_legalize``): every load and store of a global buffer in its generated CUDA must sit
     under its own row mask (rows of the chunk's valid range), so none can reach past T or into another sequence."""
-    import tilelang
-
     pipe = registry.get("chunk_gdn2").backward_pipeline(
         H=2, HV=HV, K=KV, V=KV, dtype="bfloat16", g_dtype=g_dtype, scale=KV ** -0.5, use_initial_state=True,
         output_final_state=True, varlen=varlen, use_qk_l2norm=False, **opts)
     intra = pipe.launches[-1]
     assert intra.name == "gdn2_chunk_bwd_intra"
     assert dict(intra.pass_configs) == {"tl.disable_safe_memory_legalize": True}
-    src = tilelang.compile(intra.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
-                           pass_configs=dict(intra.pass_configs)).get_kernel_source()
+    src = _cuda_source(intra)
     assert "dq[" in src or "(dq +" in src  # (the accesses are found at all)
     assert _unmasked_global_accesses(src) == []
     # the check itself: a kernel whose row mask is removed, or turned into a chunk-level one, is caught
@@ -371,8 +376,6 @@ def test_forward_intra_prefetch_masks_every_global_access_itself(varlen, HV, KV,
     """The forward intra launch with ``intra_prefetch`` is compiled without TileLang's bounds checks: its inputs
     arrive by predicated ``cp.async`` (predicate: the row is valid) and every other global access sits under a row
     mask; ``GAM`` (one row per chunk slot, in range for every block) is the only exception."""
-    import tilelang
-
     from kernels.chunk_fwd import chunk_fwd_pipeline
 
     kw = dict(H=2, HV=HV, K=KV, V=KV, dtype="bfloat16", g_dtype=g_dtype, scale=KV ** -0.5, use_initial_state=True,
@@ -385,8 +388,7 @@ def test_forward_intra_prefetch_masks_every_global_access_itself(varlen, HV, KV,
     assert plain.pass_configs == () and "prefetch" not in dict(plain.key[2:])
     with pytest.raises(ValueError, match="intra_prefetch must be a bool"):
         chunk_fwd_pipeline(**kw, intra_prefetch=1)
-    src = tilelang.compile(intra.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
-                           pass_configs=dict(intra.pass_configs)).get_kernel_source()
+    src = _cuda_source(intra)
     assert src.count("cp_async_gs_conditional") >= 6 and ("Y[" in src or "(Y +" in src)
     assert _unmasked_global_accesses(src, exempt=("GAM",)) == []
     # the check itself: a copy whose predicate is not a row bound, or a store without its row mask, is caught
@@ -415,8 +417,6 @@ def test_forward_intra_ftz_flag_key_and_slice_loop_barriers():
     eight ``__syncthreads()``: the anchored operands' stores between the slice's decision and its products need
     none (session 21: with the anchor row read at an index ``n + 8 * fast``, TileLang's barrier planner put one
     between every two of them, sixteen in all)."""
-    import tilelang
-
     from kernels import defaults
     from kernels.chunk_fwd import chunk_fwd_pipeline
 
@@ -431,8 +431,7 @@ def test_forward_intra_ftz_flag_key_and_slice_loop_barriers():
     assert chunk_fwd_pipeline(**kw, save_states=True).launches[0].pass_configs == on.pass_configs  # (training fwd)
     with pytest.raises(ValueError, match="intra_ftz must be a bool, got 1$"):
         chunk_fwd_pipeline(**kw, intra_ftz=1)
-    src = tilelang.compile(off.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
-                           pass_configs=dict(off.pass_configs)).get_kernel_source()
+    src = _cuda_source(off)
     lines = src.splitlines()
     start = next(i for i, l in enumerate(lines) if l.strip().startswith("for (int dc = 0;"))
     depth, end = 0, None
@@ -454,8 +453,6 @@ def test_forward_intra_blocked_solve_key_and_products():
     buffers nor as many TF32 ``mma_sync`` call sites (the four dense 64^3 products become two 32^3 ones), and keeps
     the level-1 partial products ``Mt``. The training forward (``Akk`` from the blocked inverse) compiles too.
     (Numbers: ``tests/test_stages.py::test_gpu_blocked_solve_vs_neumann_series`` on the GPU.)"""
-    import tilelang
-
     from kernels.chunk_fwd import chunk_fwd_pipeline
 
     kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
@@ -467,16 +464,12 @@ def test_forward_intra_blocked_solve_key_and_products():
     with pytest.raises(ValueError, match="blocked_solve=True needs intra_threads=256, got 128$"):
         chunk_fwd_pipeline(**kw, intra_threads=128, blocked_solve=True)
 
-    def source(launch):
-        return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
-                                pass_configs=dict(launch.pass_configs)).get_kernel_source()
-
     tf32 = "mma_sync<tl::DataType::kTensorFloat32"
-    blocked, series = source(on), source(off)
+    blocked, series = _cuda_source(on), _cuda_source(off)
     assert "N2s" in series and "Ns)" in series and "Mt" not in series
     assert "N2s" not in blocked and "Ns)" not in blocked and "Mt" in blocked
     assert 0 < blocked.count(tf32) < series.count(tf32), (blocked.count(tf32), series.count(tf32))
-    train = source(chunk_fwd_pipeline(**kw, save_states=True).launches[0])
+    train = _cuda_source(chunk_fwd_pipeline(**kw, save_states=True).launches[0])
     assert "Akk[" in train or "(Akk +" in train
 
 
@@ -490,8 +483,6 @@ def test_forward_intra_fused_slice_key_errors_and_loop():
     takes QGL's residual by an explicit fma (``_common.product_residual``).
     (Bit-identity with the launch without it:
     ``tests/test_stages.py::test_gpu_intra_fused_slice_bit_identical_to_default``.)"""
-    import tilelang
-
     from kernels import defaults
     from kernels.chunk_fwd import chunk_fwd_pipeline
 
@@ -509,8 +500,7 @@ def test_forward_intra_fused_slice_key_errors_and_loop():
         chunk_fwd_pipeline(**kw, fused_slice=True, intra_prefetch=False)
     with pytest.raises(ValueError, match="fused_slice=True needs"):
         chunk_fwd_pipeline(**kw, fused_slice=True, intra_threads=128)
-    src = tilelang.compile(on.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
-                           pass_configs=dict(on.pass_configs)).get_kernel_source()
+    src = _cuda_source(on)
     lines = src.splitlines()
     start = next(i for i, l in enumerate(lines) if l.strip().startswith("for (int dc = 0;"))
     depth, end = 0, None
@@ -552,8 +542,7 @@ def test_forward_intra_warp_tiles_key_errors_and_tiles(tmp_path):
         chunk_fwd_pipeline(**kw, warp_tiles=True, fused_slice=False)
     with pytest.raises(ValueError, match="warp_tiles=True needs fused_slice=True"):
         chunk_fwd_pipeline(**kw, warp_tiles=True, intra_prefetch=False)
-    src = tilelang.compile(on.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
-                           pass_configs=dict(on.pass_configs)).get_kernel_source()
+    src = _cuda_source(on)
     assert "wacc[" in src and "Acc0" not in src and "Acc3" not in src
     assert src.count("tl::ptx_ldmatrix_x4((&(((float*)QEa)[") == 6  # (each warp role's A operands)
     assert src.count("tl::ptx_ldmatrix_x2((&(((float*)Kca)[") == 2  # (the third sub-chunk's 3-tile halves)
@@ -592,15 +581,12 @@ def test_forward_intra_smem_epilogue_key_errors_and_stores():
     ``tests/test_stages.py::test_gpu_intra_smem_epilogue_bit_identical_to_default``.)"""
     import re
 
-    import tilelang
-
     kw = dict(H=32, HV=32, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
               use_initial_state=False, output_final_state=True, varlen=False, use_qk_l2norm=False)
     on, off = _default_option_launches(kw, "smem_epilogue")
 
     def stores(launch):
-        src = tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
-                               pass_configs=dict(launch.pass_configs)).get_kernel_source()
+        src = _cuda_source(launch)
         return src, {n: re.findall(r"\*\((uint\d)\*\)\(" + n + r" \+", src) for n in ("Y", "U")}
 
     src, got = stores(on)
@@ -629,8 +615,6 @@ def test_forward_intra_unroll_key_and_slice_copies():
     forward intra launch's key when on and marks the channel-slice loop ``#pragma unroll`` (nvcc then makes one copy
     per slice: four at K = 128, five ``DEPBAR`` waits in the bench configuration's SASS instead of two); off, the
     launch is the default's."""
-    import tilelang
-
     from kernels.chunk_fwd import chunk_fwd_pipeline
 
     kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
@@ -646,12 +630,8 @@ def test_forward_intra_unroll_key_and_slice_copies():
     with pytest.raises(ValueError, match="state_threads must be 128 or 256, got 64"):
         chunk_fwd_pipeline(**kw, state_threads=64)
 
-    def source(launch):
-        return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
-                                pass_configs=dict(launch.pass_configs)).get_kernel_source()
-
     loop = "    for (int dc = 0; dc < 4; ++dc) {"
-    on_lines, off_lines = source(on).splitlines(), source(off).splitlines()
+    on_lines, off_lines = _cuda_source(on).splitlines(), _cuda_source(off).splitlines()
     assert on_lines.count(loop) == 1 and off_lines.count(loop) == 1
     assert on_lines[on_lines.index(loop) - 1].strip() == "#pragma unroll"
     assert off_lines[off_lines.index(loop) - 1].strip() != "#pragma unroll"
@@ -669,8 +649,6 @@ def test_forward_intra_g_first_key_and_wait_order():
     ``tests/test_stages.py::test_gpu_intra_g_first_bit_identical_to_default``.)"""
     import re
 
-    import tilelang
-
     from kernels.chunk_fwd import chunk_fwd_pipeline
 
     kw = dict(H=32, HV=32, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
@@ -680,11 +658,7 @@ def test_forward_intra_g_first_key_and_wait_order():
         chunk_fwd_pipeline(**kw, fused_slice=False, warp_tiles=False, g_first=True)
     assert "g_first" not in dict(chunk_fwd_pipeline(**kw, fused_slice=False, warp_tiles=False).launches[0].key[2:])
 
-    def lines(launch):
-        return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
-                                pass_configs=dict(launch.pass_configs)).get_kernel_source().splitlines()
-
-    src = lines(on)
+    src = _cuda_source(on).splitlines()
     loop = src.index("    for (int dc = 0; dc < 4; ++dc) {")
     first = [i for i, x in enumerate(src) if "tl::cp_async_gs_conditional" in x or "tl::cp_async_commit" in x]
     pro = [("qk" if re.search(r"\(\(bfloat16_t\*\)[qk]c\)", src[i]) else "gb" if "cp_async_gs" in src[i] else "commit")
@@ -706,7 +680,7 @@ def test_forward_intra_g_first_key_and_wait_order():
     # (q and k are not read between the slice's start and the barrier after their wait)
     assert not [x for x in body if re.search(r"\(\(bfloat16_t\*\)[qk]c\)\[", x) and "cp_async" not in x]
     assert any(re.search(r"\(\(bfloat16_t\*\)qc\)\[", x) for x in src[sor:])
-    off_src = lines(off)
+    off_src = _cuda_source(off).splitlines()
     off_loop = off_src.index("    for (int dc = 0; dc < 4; ++dc) {")
     assert off_src[off_loop + 1].strip() == "tl::cp_async_wait<0>();"
     assert not any("cp_async_wait<1>" in x or "cp_async_wait<2>" in x for x in off_src)
@@ -1272,8 +1246,6 @@ def test_state_async_key_and_release_order(opts):
     after a wait that follows that product's issue. Off: one ``warpgroup_wait<0>`` after each product. Bench
     configuration, H = 32; with two warpgroups; with ``save_states``. (Bit-identity and three reruns on a long
     sequence: ``tests/test_stages.py::test_gpu_state_async_bit_identical``.)"""
-    import tilelang
-
     from kernels import defaults
     from kernels.chunk_fwd import chunk_fwd_pipeline
 
@@ -1286,11 +1258,7 @@ def test_state_async_key_and_release_order(opts):
     with pytest.raises(ValueError, match="state_async must be a bool, got 1$"):
         chunk_fwd_pipeline(**kw, state_async=1)
 
-    def lines(launch):
-        return tilelang.compile(launch.build(), target=_compile.target("sm_90a"), execution_backend="tvm_ffi",
-                                pass_configs=dict(launch.pass_configs)).get_kernel_source().splitlines()
-
-    src = lines(on)
+    src = _cuda_source(on).splitlines()
     loops = [i for i, x in enumerate(src) if re.match(r"\s*for \(int j(_1)? = 0; j(_1)? < ", x)]
     assert len(loops) == 2, loops  # (the producer's loop over chunks, then the consumer's)
     producer, consumer = src[loops[0]:loops[1]], src[loops[1]:]
@@ -1312,6 +1280,6 @@ def test_state_async_key_and_release_order(opts):
         rel = [i for i, x in enumerate(consumer) if re.match(release, x)]
         assert len(reads) == 1 and len(rel) == 1, (buf, reads, rel)
         assert any(reads[0] < w < rel[0] for w in waits), (buf, reads, rel, waits)
-    off_src = lines(off)
+    off_src = _cuda_source(off).splitlines()
     assert not [x for x in off_src if "wait_wgmma" in x]
     assert sum("warpgroup_wait<0>" in x for x in off_src) == sum("warpgroup_commit_batch" in x for x in off_src) > 0
