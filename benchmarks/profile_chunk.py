@@ -20,7 +20,10 @@ with the anchored products by ``T.gemm``, with Y / U stored from the accumulator
 for at once: each a former default); ``unrolled`` (the slice loop unrolled, experimental); ``bv16`` (state kernel
 with V-blocks of 16); ``bv128w`` (two warpgroups, V-blocks of 128); ``v5w`` (``v5`` with ``bv128w``'s state pass);
 ``bv32`` (V-blocks of 32), ``s3`` (the state pass's software pipeline three stages deep), ``bv16s3``, ``bv32s3``;
-``sync``, ``sync128w`` (the state pass's products issued one at a time, each waited for: before ``state_async``).
+``sync``, ``sync128w`` (the state pass's products issued one at a time, each waited for: before ``state_async``);
+``rows``, ``bv128w_rows`` (``default`` and ``bv128w`` with the launches' grids of chunk slots x heads, before
+``intra_heads_first`` / ``state_heads_first``). ``--time`` also times each variant's launches back to back
+(``VARIANT:total``).
 ``--accuracy``: o and final-state RMS ratios vs fp64 per variant and FLA (``ACCURACY {...}``); ``--train``: see
 :func:`train_grid` (``TRAIN {...}``). Inputs follow spec §15 (bf16, fp32 g, D = 128). Needs a GPU.
 """
@@ -50,7 +53,10 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "bv32": {"block_v": 32}, "s3": {"stages": 3}, "bv16s3": {"block_v": 16, "stages": 3},
             "bv32s3": {"block_v": 32, "stages": 3},
             # the state pass's products issued synchronously (before session 30's state_async)
-            "sync": {"state_async": False}, "sync128w": {"block_v": 128, "state_threads": 256, "state_async": False}}
+            "sync": {"state_async": False}, "sync128w": {"block_v": 128, "state_threads": 256, "state_async": False},
+            # the grids of chunk slots x heads (before session 32's intra_heads_first / state_heads_first)
+            "rows": {"intra_heads_first": False},
+            "bv128w_rows": {"block_v": 128, "state_threads": 256, "intra_heads_first": False, "state_heads_first": False}}
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
@@ -211,6 +217,8 @@ def time_grid(variants, shapes=None):
                 calls = bench_lib.stage_callables(bench_lib.chunk_pipeline(H, H, **VARIANTS[name]), x)
                 for la, fn in calls:
                     row[f"{name}:{la}"] = do_bench(fn, warmup=10, rep=60, return_mode="median")
+                row[f"{name}:total"] = do_bench(lambda: [fn() for _, fn in calls], warmup=10, rep=60,
+                                                return_mode="median")
                 del calls
             except Exception as e:
                 row[f"{name}:error"] = repr(e)[:200]

@@ -114,6 +114,9 @@ def preset(name: str) -> list[dict]:
     sync = [dict(cfg(h, h, 128), state_async=False, **o) for h in (16, 32) for o in ({}, STATE_WIDE_OPTIONS)]
     profile += sync
     bench += sync
+    # profile_chunk's "rows" and "bv128w_rows": the grids of chunk slots x heads (before session 32)
+    profile += [dict(cfg(h, h, 128), intra_heads_first=False, **o) for h in (16, 32)
+                for o in ({}, dict(STATE_WIDE_OPTIONS, state_heads_first=False))]
     # profile_chunk's "bv16", "bv32", "s3", "bv16s3", "bv32s3": the state pass's V-block and pipeline depth
     profile += [dict(cfg(h, h, 128), **opt) for h in (16, 32) for opt in (
         dict(block_v=16), dict(block_v=32), dict(stages=3), dict(block_v=16, stages=3), dict(block_v=32, stages=3))]
@@ -178,6 +181,11 @@ def preset(name: str) -> list[dict]:
     # (its three reruns of a 128-chunk sequence: the default V-blocks, two warpgroups, the training forward)
     tests += [dict(cfg(4, 4, 128), **o, **a) for o in ({}, STATE_WIDE_OPTIONS, dict(save_states=True))
               for a in ({}, dict(state_async=False))]
+    # the launches' grids of chunk slots x heads (tests/test_stages.py::test_gpu_heads_first_bit_identical)
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_heads_first=False,
+                   state_heads_first=False, **o)
+              for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES
+              for o in ({}, dict(block_v=v, state_threads=256), dict(save_states=True))]
     # the forward intra launch on the prefetch cases with one default option off, what tests/test_stages.py
     # compares the default with: without the fused slice pass (fused_slice bit-identical to it), the anchored
     # products by T.gemm (warp_tiles), Y / U stored from the accumulators (smem_epilogue), each slice waiting for all

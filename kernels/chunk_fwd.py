@@ -191,7 +191,7 @@ def _signature(*, H, HV, K, V, dtype, g_dtype, varlen):
 def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, min_blocks, exact_diag,
                 exact_self=False, tf32_round=False, aqk_split=False, save_a=False, prefetch=False, z_split=False,
                 qg_split=False, tf32_a=False, ftz=False, blocked_solve=False, fused_slice=False, warp_tiles=False,
-                smem_epilogue=False, unroll_slices=False, g_first=False):
+                smem_epilogue=False, unroll_slices=False, g_first=False, heads_first=False):
     """Launch 1 (one block per chunk slot and value head): ``threads`` threads, hint ``min_blocks`` per SM.
 
     The channel (d) axis is walked in slices of DC = 32 so that shared memory (87 KB for K = V = 128, 110 KB with
@@ -572,7 +572,10 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
     def main(q: sig["q"], k: sig["k"], v: sig["v"], g: sig["g"], b: sig["b"], w: sig["w"],
              cu_seqlens: sig["cu_seqlens"], Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], U: sig["U"],
              QG: sig["QG"], KG: sig["KG"], GAM: sig["GAM"], QGL: sig["QGL"], Akk: sig["Akk"]):
-        with T.Kernel(NT * B, HV, threads=TH) as (bx, hv):
+        # (heads_first: one grid axis with the value head fastest, so that the blocks launched together read and
+        # write whole token rows of the [B, T, HV, D] tensors rather than one head's slice of many rows)
+        with T.Kernel(*((HV * NT * B,) if heads_first else (NT * B, HV)), threads=TH) as ids:
+            bx, hv = (ids // HV, ids % HV) if heads_first else ids
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
@@ -985,7 +988,7 @@ def _intra_prim(*, H, HV, K, V, dtype, g_dtype, scale, varlen, l2norm, threads, 
 # launch 2: sequential state passing + output
 # ----------------------------------------------------------------------------------------------------------------
 def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_split=False, save_states=False,
-                tf32_h=False, threads=128, async_mma=False):
+                tf32_h=False, threads=128, async_mma=False, heads_first=False):
     import tilelang.language as T
 
     C = CHUNK
@@ -1002,7 +1005,8 @@ def _state_prim(*, HV, K, V, BV, dtype, use_h0, store_ht, varlen, stages, aqk_sp
     def main(Aqk: sig["Aqk"], AqkL: sig["AqkL"], Y: sig["Y"], U: sig["U"], QG: sig["QG"], KG: sig["KG"],
              GAM: sig["GAM"], h0: sig["h0"], cu_seqlens: sig["cu_seqlens"], o: sig["o"], ht: sig["ht"],
              h: sig["h"], v_new: sig["v_new"]):
-        with T.Kernel(NSEQ * NVB, HV, threads=threads) as (bx, hv):
+        with T.Kernel(*((HV * NSEQ * NVB,) if heads_first else (NSEQ * NVB, HV)), threads=threads) as ids:
+            bx, hv = (ids // HV, ids % HV) if heads_first else ids  # (heads_first: as in launch 1)
             n = bx // NVB
             v0 = (bx % NVB) * BV
             S = T.alloc_fragment((K, BV), acc)
@@ -1134,7 +1138,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                        fused_slice: bool | None = None, warp_tiles: bool | None = None,
                        smem_epilogue: bool | None = None, intra_unroll: bool = False,
                        g_first: bool | None = None, state_threads: int = 128,
-                       state_async: bool | None = None) -> Pipeline:
+                       state_async: bool | None = None, intra_heads_first: bool | None = None,
+                       state_heads_first: bool | None = None) -> Pipeline:
     """Pipeline of the chunked GDN-2 prefill forward (two launches, see the module docstring).
 
     Inputs ``q,k [B,T,H,K]``, ``v,w [B,T,HV,V]`` (``dtype``: bfloat16 | float16), ``g [B,T,HV,K]`` (``g_dtype``:
@@ -1212,6 +1217,12 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     pipeline releases a slot to the producer after the tile's last read in the loop body (without that read the
     release came right after the issue, before the product was done). The same products summed in the same
     order: bit-identical results.
+    ``intra_heads_first`` (default from ``kernels.defaults.FORWARD``): launch 1's blocks on one grid axis with
+    the value head fastest (block ``i`` takes head ``i % HV`` of chunk slot ``i // HV``) instead of a grid of
+    chunk slots x heads, so that the blocks that run together read q, k, v, g, b, w and write the scratch as whole
+    token rows of the ``[B, T, HV, D]`` tensors. ``state_heads_first`` (default: on for the two-warpgroup pass,
+    ``state_threads=256``, off otherwise): the same for launch 2's blocks (block ``i``: head ``i % HV`` of V-block
+    x sequence ``i // HV``). Each block's work is unchanged: bit-identical results.
     ``save_states`` (training forward) adds two outputs for the backward: ``h [B,NT,HV,K,V]`` fp32, each chunk's
     start state (chunk slots as ``GAM``), and ``v_new [B,T,HV,V]`` fp32, R = U - Y S0 per token (FLA's names),
     and the scratch ``Akk [B,T,HV,64]`` fp32, the solve ``A = (I + T)^-1`` of launch 1 (FLA ``Akk``).
@@ -1242,6 +1253,7 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
     smem_epilogue = _forward_default(fn, "smem_epilogue", smem_epilogue)
     g_first = _forward_default(fn, "g_first", g_first, on_fused)
     state_async = _forward_default(fn, "state_async", state_async)
+    intra_heads_first = _forward_default(fn, "intra_heads_first", intra_heads_first)
     if tf32_states is None:  # (a bool by construction)
         tf32_states = bool(save_states) and defaults.BACKWARD["wy_tf32_round"] in TF32_DY
     if not isinstance(tf32_states, bool):
@@ -1262,6 +1274,10 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         raise ValueError(f"{fn}: state_threads=256 needs block_v of 64 or 128, got {BV}")
     if not isinstance(intra_unroll, bool):
         raise ValueError(f"{fn}: intra_unroll must be a bool, got {intra_unroll!r}")
+    if state_heads_first is None:  # (measured faster with two warpgroups only: docs/performance-notes.md, session 32)
+        state_heads_first = state_threads == 256
+    if not isinstance(state_heads_first, bool):
+        raise ValueError(f"{fn}: state_heads_first must be a bool, got {state_heads_first!r}")
 
     inputs = ("q", "k", "v", "g", "b", "w") + (("h0",) if use_initial_state else ()) + (
         ("cu_seqlens",) if varlen else ())
@@ -1291,7 +1307,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
                                       ("qg_split", qg_split), ("tf32_a", tf32_states), ("ftz", intra_ftz),
                                       ("blocked_solve", blocked_solve), ("fused_slice", fused_slice),
                                       ("warp_tiles", warp_tiles), ("smem_epilogue", smem_epilogue),
-                                      ("unroll_slices", intra_unroll), ("g_first", g_first)) if on})
+                                      ("unroll_slices", intra_unroll), ("g_first", g_first),
+                                      ("heads_first", intra_heads_first)) if on})
     intra = Launch(
         name="gdn2_chunk_intra",
         key=("gdn2_chunk_intra", _VERSION) + tuple(sorted(kw1.items())),
@@ -1309,6 +1326,8 @@ def chunk_fwd_pipeline(*, H: int, HV: int, K: int, V: int, dtype: str, g_dtype: 
         kw2["threads"] = int(state_threads)
     if state_async:
         kw2["async_mma"] = True
+    if state_heads_first:
+        kw2["heads_first"] = True
     state = Launch(
         name="gdn2_chunk_state_o",
         key=("gdn2_chunk_state_o", _VERSION) + tuple(sorted(kw2.items())),

@@ -543,7 +543,8 @@ def _case_config(cu, H, HV, K_, V_, l2, dtype, g_dtype):
 
 def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
     """Every launch that the GPU tests of ``smem_epilogue`` on the other launches, ``intra_unroll``, the
-    two-warpgroup state pass, ``g_first`` (its launches without it) and ``state_async`` build is in the ``tests``
+    two-warpgroup state pass, ``g_first`` (its launches without it), ``state_async`` and the grids' head order
+    (``test_gpu_heads_first_bit_identical``) build is in the ``tests``
     preset, so the device compiles it ahead of time in parallel rather than inside the test."""
     from kernels import build, registry
     from kernels.build import _BV_CASES
@@ -567,8 +568,12 @@ def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
     cfg4 = _case_config(None, 4, 4, 128, 128, False, "bfloat16", "float32")  # (its reruns of a long sequence)
     need += [la for o in ({}, dict(block_v=128, state_threads=256), dict(save_states=True)) for a in (False, True)
              for la in op.pipeline(**cfg4, state_async=a, **o).launches]
+    for varlen, H, HV, K_, V_, l2, dtype, g_dtype in _BV_CASES:  # (test_gpu_heads_first_bit_identical)
+        cfg = _case_config([0] if varlen else None, H, HV, K_, V_, l2, dtype, g_dtype)
+        need += [la for o in ({}, dict(block_v=V_, state_threads=256), dict(save_states=True))
+                 for la in op.pipeline(**cfg, intra_heads_first=False, state_heads_first=False, **o).launches]
     missing = [la.key for la in need if (la.name, la.key, la.pass_configs) not in have]
-    assert len(need) == 31 + 4 * 8 + 6 * 2 and not missing, missing
+    assert len(need) == 31 + 4 * 8 + 6 * 2 + 4 * 6 and not missing, missing
 
 
 def _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist):
@@ -954,6 +959,39 @@ def test_gpu_state_async_bit_identical(case):
                 assert set(got) == set(ref), (opts, sorted(got), sorted(ref))
                 for n in ref:
                     assert torch.equal(got[n], ref[n]), (opts, n)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", range(4))
+def test_gpu_heads_first_bit_identical(case):
+    """The launches' grids with the value head fastest (``intra_heads_first``, the default; ``state_heads_first``,
+    the default of the two-warpgroup pass) give every output bit-identical to the grids of chunk slots x heads
+    (both off): o and the final state with the default V-blocks and with two warpgroups, and ``h`` / ``v_new`` in
+    the training forward. ``_BV_CASES`` (dense GVA, packed sequences with an empty and a one-token one, the
+    in-kernel L2 norm, fp16 with bf16 g, K = V = 64); the head index of a block is ``i % HV``, so GVA (``HV > H``)
+    and HV = 2 or 4 check the mapping of value heads to q / k heads as well."""
+    import torch
+
+    from kernels import defaults, registry, torch_api
+
+    cfg, t, V_ = _bv_case(51 + case, case)
+    used = _used_slots(t["cu_seqlens"].tolist()) if "cu_seqlens" in t else None  # (h's written chunk slots)
+    op = registry.get("chunk_gdn2")
+    assert defaults.FORWARD["intra_heads_first"]
+    rows = {"intra_heads_first": False, "state_heads_first": False}
+    for base in ({}, {"block_v": V_, "state_threads": 256}, {"save_states": True}):
+        on = op.pipeline(**cfg, **base).launches
+        assert ("heads_first", True) in on[0].key
+        assert (("heads_first", True) in on[1].key) == ("state_threads" in base)
+        runs = [torch_api.run_pipeline(op.pipeline(**cfg, **base, **o), t) for o in (rows, {})]
+        torch.cuda.synchronize()
+        assert set(runs[0]) == set(runs[1]) and {"o", "ht"} <= set(runs[0]), (sorted(runs[0]), sorted(runs[1]))
+        for n in runs[0]:
+            a, b = runs[0][n], runs[1][n]
+            if n == "h" and used is not None:  # (the slots no sequence uses are never written: torch.empty's garbage)
+                a, b = a[:, used], b[:, used]
+            assert bool(torch.isfinite(a.float()).all()), (base, n)
+            assert torch.equal(a, b), (base, n, float((a.float() - b.float()).abs().max()))
 
 
 @pytest.mark.cuda

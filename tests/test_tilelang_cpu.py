@@ -1236,6 +1236,37 @@ def test_every_kernel_compiles_for_sm90a_on_cpu(name, pipe, monkeypatch, tmp_pat
 
 @needs_tilelang
 @pytest.mark.slow
+def test_heads_first_keys_and_block_index():
+    """The launches' grids with the value head fastest (session 32): ``intra_heads_first`` (on in
+    ``kernels.defaults.FORWARD``) in launch 1's key, and ``state_heads_first`` (on by default exactly when
+    ``state_threads=256``) in launch 2's, each when on only; not a bool: ValueError. The CUDA of each launch then
+    indexes one grid axis, ``blockIdx.x``, as head ``i % HV`` (``& 31`` at HV = 32) of slot / sequence ``i // HV``
+    (``>> 5``), and never ``blockIdx.y``; off, the head is ``blockIdx.y``. Bench configuration, H = 32.
+    (Bit-identity on the GPU: ``tests/test_stages.py::test_gpu_heads_first_bit_identical``.)"""
+    from kernels import defaults
+    from kernels.chunk_fwd import STATE_WIDE_OPTIONS, chunk_fwd_pipeline
+
+    kw = dict(H=32, HV=32, K=128, V=128, dtype="bfloat16", g_dtype="float32", scale=128 ** -0.5,
+              use_initial_state=True, output_final_state=True, varlen=False, use_qk_l2norm=False)
+    assert defaults.FORWARD["intra_heads_first"] is True
+    narrow, wide = chunk_fwd_pipeline(**kw).launches, chunk_fwd_pipeline(**kw, **STATE_WIDE_OPTIONS).launches
+    rows = chunk_fwd_pipeline(**kw, **STATE_WIDE_OPTIONS, intra_heads_first=False, state_heads_first=False).launches
+    assert dict(narrow[0].key[2:])["heads_first"] is True and narrow[0].key == wide[0].key
+    assert "heads_first" not in dict(narrow[1].key[2:]) and dict(wide[1].key[2:])["heads_first"] is True
+    assert not [la for la in rows if "heads_first" in dict(la.key[2:])]
+    for name in ("intra_heads_first", "state_heads_first"):
+        with pytest.raises(ValueError, match=f"{name} must be a bool, got 1$"):
+            chunk_fwd_pipeline(**kw, **{name: 1})
+    for la, first in ((wide[0], True), (wide[1], True), (narrow[1], False), (rows[0], False), (rows[1], False)):
+        src = _cuda_source(la)
+        assert ("blockIdx.y" in src) != first, la.name
+        if first:
+            assert re.search(r"blockIdx\.x\)+ & (\(int64_t\))?31\b", src), la.name
+            assert re.search(r"blockIdx\.x\)+ >> (\(int64_t\))?5\b", src), la.name
+
+
+@needs_tilelang
+@pytest.mark.slow
 @pytest.mark.parametrize("opts", [{}, {"block_v": 128, "state_threads": 256}, {"save_states": True}])
 def test_state_async_key_and_release_order(opts):
     """``state_async`` (the default since session 30, ``kernels.defaults.FORWARD``) names itself in the state
