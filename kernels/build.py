@@ -71,6 +71,8 @@ SMEM_EPILOGUE_OPTIONS = (dict(intra_prefetch=False), dict(blocked_solve=False), 
 #: ``test_gpu_state_two_warpgroups_bit_identical`` (``_bv_case``): (varlen, H, HV, K, V, l2, dtype, g dtype)
 _BV_CASES = ((False, 2, 4, 128, 128, False, "bfloat16", "float32"), (True, 2, 4, 64, 128, True, "bfloat16", "float32"),
              (False, 2, 2, 128, 128, False, "float16", "bfloat16"), (False, 1, 2, 64, 64, False, "bfloat16", "float32"))
+#: ``tests/test_stages.py::test_gpu_heads_first_bit_identical``'s cases: ``_BV_CASES`` and HV = 3 (no power of two)
+_HEADS_FIRST_CASES = _BV_CASES + ((False, 1, 3, 64, 64, False, "bfloat16", "float32"),)
 
 
 def preset(name: str) -> list[dict]:
@@ -181,11 +183,13 @@ def preset(name: str) -> list[dict]:
     # (its three reruns of a 128-chunk sequence: the default V-blocks, two warpgroups, the training forward)
     tests += [dict(cfg(4, 4, 128), **o, **a) for o in ({}, STATE_WIDE_OPTIONS, dict(save_states=True))
               for a in ({}, dict(state_async=False))]
-    # the launches' grids of chunk slots x heads (tests/test_stages.py::test_gpu_heads_first_bit_identical)
-    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_heads_first=False,
-                   state_heads_first=False, **o)
-              for (vl, h, hv, k, v, l2, dt, gd) in _BV_CASES
+    # the launches' grids with the head fastest or not (tests/test_stages.py::test_gpu_heads_first_bit_identical)
+    tests += [dict(cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl), intra_heads_first=f,
+                   state_heads_first=f, **o)
+              for (vl, h, hv, k, v, l2, dt, gd) in _HEADS_FIRST_CASES for f in (False, True)
               for o in ({}, dict(block_v=v, state_threads=256), dict(save_states=True))]
+    tests += [cfg(h, hv, k, v, dtype=dt, g_dtype=gd, l2=l2, varlen=vl)
+              for (vl, h, hv, k, v, l2, dt, gd) in _HEADS_FIRST_CASES]
     # the forward intra launch on the prefetch cases with one default option off, what tests/test_stages.py
     # compares the default with: without the fused slice pass (fused_slice bit-identical to it), the anchored
     # products by T.gemm (warp_tiles), Y / U stored from the accumulators (smem_epilogue), each slice waiting for all

@@ -8,7 +8,8 @@ with within-chunk cumulative log-decay ``G_r = sum_{i<=r} g_i`` (fp32, base 2 in
     A = (I + T)^-1,  Y = A (b*k*exp(G)),  U = A (w*v)
     R = U - Y S0,    O = scale (q*exp(G)) S0 + Aqk R,    S1 = exp(G_C) * S0 + (k*exp(G_C - G))^T R
 
-Launch 1 ``gdn2_chunk_intra`` (grid: chunk slots x value heads, fully parallel; 256 threads, two blocks per SM,
+Launch 1 ``gdn2_chunk_intra`` (one block per chunk slot and value head, fully parallel, the head fastest in
+the grid with ``intra_heads_first``, the default since session 32; 256 threads, two blocks per SM,
 the channel axis walked in slices of 32, each slice's inputs fetched by cp.async while the previous one is
 computed: ``intra_prefetch``, the default since session 12) computes the cumulative decay, ``Aqk`` and ``T``,
 the solve, and stores ``Aqk``, ``Y``, ``U``, ``QG = scale*q*exp(G)``, ``KG = k*exp(G_C - G)``
@@ -25,7 +26,8 @@ the solve, and stores ``Aqk``, ``Y``, ``U``, ``QG = scale*q*exp(G)``, ``KG = k*e
   32x32 block as two 32^3 TF32 products; without it ``A = (I - N + N^2 - N^3) D`` with ``N = D T_off``
   (strictly block-lower, N^4 = 0), four 64^3 TF32 products.
 
-Launch 2 ``gdn2_chunk_state_o`` (grid: sequences x V-blocks x value heads) walks the chunks of one sequence with
+Launch 2 ``gdn2_chunk_state_o`` (one block per sequence, V-block and value head; the head fastest in the grid
+with ``state_heads_first``, the two-warpgroup pass's default) walks the chunks of one sequence with
 the state slice ``S[K, BV]`` in fp32 registers and writes the output of every chunk (FLA's h and o kernels fused:
 per-chunk states never reach HBM, except with ``save_states``, the training forward, which also writes each
 chunk's start state ``h`` and ``v_new``), then the final state.

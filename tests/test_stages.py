@@ -547,7 +547,7 @@ def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
     (``test_gpu_heads_first_bit_identical``) build is in the ``tests``
     preset, so the device compiles it ahead of time in parallel rather than inside the test."""
     from kernels import build, registry
-    from kernels.build import _BV_CASES
+    from kernels.build import _BV_CASES, _HEADS_FIRST_CASES
 
     op = registry.get("chunk_gdn2")
     have = {(la.name, la.key, la.pass_configs)
@@ -568,12 +568,13 @@ def test_session24_gpu_tests_are_prebuilt_by_the_tests_preset():
     cfg4 = _case_config(None, 4, 4, 128, 128, False, "bfloat16", "float32")  # (its reruns of a long sequence)
     need += [la for o in ({}, dict(block_v=128, state_threads=256), dict(save_states=True)) for a in (False, True)
              for la in op.pipeline(**cfg4, state_async=a, **o).launches]
-    for varlen, H, HV, K_, V_, l2, dtype, g_dtype in _BV_CASES:  # (test_gpu_heads_first_bit_identical)
+    for varlen, H, HV, K_, V_, l2, dtype, g_dtype in _HEADS_FIRST_CASES:  # (test_gpu_heads_first_bit_identical)
         cfg = _case_config([0] if varlen else None, H, HV, K_, V_, l2, dtype, g_dtype)
-        need += [la for o in ({}, dict(block_v=V_, state_threads=256), dict(save_states=True))
-                 for la in op.pipeline(**cfg, intra_heads_first=False, state_heads_first=False, **o).launches]
+        need += [la for o in ({}, dict(block_v=V_, state_threads=256), dict(save_states=True)) for h in (False, True)
+                 for la in op.pipeline(**cfg, intra_heads_first=h, state_heads_first=h, **o).launches]
+        need += list(op.pipeline(**cfg).launches)  # (launch 1's order alone: the default)
     missing = [la.key for la in need if (la.name, la.key, la.pass_configs) not in have]
-    assert len(need) == 31 + 4 * 8 + 6 * 2 + 4 * 6 and not missing, missing
+    assert len(need) == 31 + 4 * 8 + 6 * 2 + 5 * 14 and not missing, missing
 
 
 def _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, gdist):
@@ -823,11 +824,12 @@ def _used_slots(cu):
 
 
 def _bv_case(seed, case):
-    """A ``kernels/build.py`` ``_BV_CASES`` case on the GPU: its config and torch inputs with a random initial
-    state (packed: B1 T201 with an empty and a one-token sequence; dense: B2 T150), and V."""
-    from kernels.build import _BV_CASES
+    """A ``kernels/build.py`` ``_BV_CASES`` case (or ``_HEADS_FIRST_CASES``' fifth, ``case`` 4) on the GPU: its config
+    and torch inputs with a random initial state (packed: B1 T201 with an empty and a one-token sequence; dense: B2
+    T150), and V."""
+    from kernels.build import _HEADS_FIRST_CASES
 
-    varlen, H, HV, K_, V_, l2, dtype, g_dtype = _BV_CASES[case]
+    varlen, H, HV, K_, V_, l2, dtype, g_dtype = _HEADS_FIRST_CASES[case]
     cu = [0, 0, 70, 200, 201] if varlen else None
     B, T = (1, 201) if varlen else (2, 150)
     cfg, t = _prefetch_case(seed, cu, B, T, H, HV, K_, V_, l2, dtype, g_dtype, "spec")
@@ -962,14 +964,15 @@ def test_gpu_state_async_bit_identical(case):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(5))
 def test_gpu_heads_first_bit_identical(case):
     """The launches' grids with the value head fastest (``intra_heads_first``, the default; ``state_heads_first``,
     the default of the two-warpgroup pass) give every output bit-identical to the grids of chunk slots x heads
-    (both off): o and the final state with the default V-blocks and with two warpgroups, and ``h`` / ``v_new`` in
-    the training forward. ``_BV_CASES`` (dense GVA, packed sequences with an empty and a one-token one, the
-    in-kernel L2 norm, fp16 with bf16 g, K = V = 64); the head index of a block is ``i % HV``, so GVA (``HV > H``)
-    and HV = 2 or 4 check the mapping of value heads to q / k heads as well."""
+    (both off): o and the final state with the default V-blocks (launch 1's order alone, then both, the state
+    pass's several V-blocks per head included), with two warpgroups, and ``h`` / ``v_new`` in the training forward
+    with both. ``kernels.build._HEADS_FIRST_CASES``: ``_BV_CASES`` (dense GVA, packed sequences with an empty and a
+    one-token one, the in-kernel L2 norm, fp16 with bf16 g, K = V = 64) and HV = 3 (not a power of two); the head
+    of block ``i`` is ``i % HV``, so GVA (``HV > H``) checks the mapping of value heads to q / k heads too."""
     import torch
 
     from kernels import defaults, registry, torch_api
@@ -979,11 +982,13 @@ def test_gpu_heads_first_bit_identical(case):
     op = registry.get("chunk_gdn2")
     assert defaults.FORWARD["intra_heads_first"]
     rows = {"intra_heads_first": False, "state_heads_first": False}
-    for base in ({}, {"block_v": V_, "state_threads": 256}, {"save_states": True}):
+    for base in ({}, {"state_heads_first": True}, {"block_v": V_, "state_threads": 256},
+                 {"save_states": True, "state_heads_first": True}):
         on = op.pipeline(**cfg, **base).launches
         assert ("heads_first", True) in on[0].key
-        assert (("heads_first", True) in on[1].key) == ("state_threads" in base)
-        runs = [torch_api.run_pipeline(op.pipeline(**cfg, **base, **o), t) for o in (rows, {})]
+        assert (("heads_first", True) in on[1].key) == ("state_threads" in base or "state_heads_first" in base)
+        runs = [torch_api.run_pipeline(op.pipeline(**cfg, **dict(base, **rows)), t),
+                torch_api.run_pipeline(op.pipeline(**cfg, **base), t)]
         torch.cuda.synchronize()
         assert set(runs[0]) == set(runs[1]) and {"o", "ht"} <= set(runs[0]), (sorted(runs[0]), sorted(runs[1]))
         for n in runs[0]:

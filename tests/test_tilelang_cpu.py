@@ -1260,9 +1260,14 @@ def test_heads_first_keys_and_block_index():
     for la, first in ((wide[0], True), (wide[1], True), (narrow[1], False), (rows[0], False), (rows[1], False)):
         src = _cuda_source(la)
         assert ("blockIdx.y" in src) != first, la.name
-        if first:
-            assert re.search(r"blockIdx\.x\)+ & (\(int64_t\))?31\b", src), la.name
-            assert re.search(r"blockIdx\.x\)+ >> (\(int64_t\))?5\b", src), la.name
+    # which part is the head: launch 1's chunk slot and batch row come from i >> 5 (locate_chunk's division by
+    # NT), its head from i & 31; launch 2's TMA loads take (..., head i & 31, [chunk j of GAM,] sequence i >> 5)
+    intra = _cuda_source(wide[0])
+    assert re.search(r"rdiv = \(\(\(\(int\)blockIdx\.x\) >> 5\) / NT\)", intra)
+    assert re.search(r"blockIdx\.x\)+ & \(int64_t\)31\)", intra)
+    loads = [x for x in _cuda_source(wide[1]).splitlines() if "tl::tma_load(" in x]
+    assert len(loads) >= 7 and all(
+        re.search(r"\(\(\(int\)blockIdx\.x\) & 31\), (j, )?\(\(\(int\)blockIdx\.x\) >> 5\)\);$", x) for x in loads)
 
 
 @needs_tilelang
