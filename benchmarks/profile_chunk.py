@@ -56,7 +56,8 @@ VARIANTS = {"default": {}, "exact_diag": {"exact_diag": True}, "bv64": {"block_v
             "sync": {"state_async": False}, "sync128w": {"block_v": 128, "state_threads": 256, "state_async": False},
             # the grids of chunk slots x heads (before session 32's intra_heads_first / state_heads_first)
             "rows": {"intra_heads_first": False},
-            "bv128w_rows": {"block_v": 128, "state_threads": 256, "intra_heads_first": False, "state_heads_first": False}}
+            "bv128w_rows": {"block_v": 128, "state_threads": 256, "intra_heads_first": False,
+                            "state_heads_first": False}}
 
 
 def accuracy(variants, seeds=(123, 1, 2, 3, 4, 5), shape=(1, 512, 4)):
