@@ -823,6 +823,21 @@ def _used_slots(cu):
     return [n + s // CHUNK + c for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])) for c in range(-(-(e - s) // CHUNK))]
 
 
+def _assert_runs_bit_identical(runs, used, label):
+    """Two ``torch_api.run_pipeline`` results hold the same outputs, o and ht among them, each finite in the first
+    run and equal bit for bit; ``h`` only on the chunk slots ``used`` (``_used_slots``; None: every slot), the
+    other slots are never written (torch.empty's garbage). ``label`` goes into the assertion messages."""
+    import torch
+
+    assert set(runs[0]) == set(runs[1]) and {"o", "ht"} <= set(runs[0]), (sorted(runs[0]), sorted(runs[1]))
+    for n in runs[0]:
+        a, b = runs[0][n], runs[1][n]
+        if n == "h" and used is not None:
+            a, b = a[:, used], b[:, used]
+        assert bool(torch.isfinite(a.float()).all()), (label, n)
+        assert torch.equal(a, b), (label, n, float((a.float() - b.float()).abs().max()))
+
+
 def _bv_case(seed, case):
     """A ``kernels/build.py`` ``_BV_CASES`` case (or ``_HEADS_FIRST_CASES``' fifth, ``case`` 4) on the GPU: its config
     and torch inputs with a random initial state (packed: B1 T201 with an empty and a one-token sequence; dense: B2
@@ -941,15 +956,9 @@ def test_gpu_state_async_bit_identical(case):
         assert ("async_mma", True) not in op.pipeline(**cfg, **base).launches[1].key
         runs = [torch_api.run_pipeline(op.pipeline(**cfg, **o), t) for o in (base, opts)]
         torch.cuda.synchronize()
-        assert set(runs[0]) == set(runs[1]) and {"o", "ht"} <= set(runs[0]), (sorted(runs[0]), sorted(runs[1]))
+        _assert_runs_bit_identical(runs, used, base)
         if base.get("save_states"):
             assert {"h", "v_new"} <= set(runs[0])
-        for n in runs[0]:
-            a, b = runs[0][n], runs[1][n]
-            if n == "h" and used is not None:  # (the slots no sequence uses are never written: torch.empty's garbage)
-                a, b = a[:, used], b[:, used]
-            assert bool(torch.isfinite(a.float()).all()), (base, n)
-            assert torch.equal(a, b), (base, n, float((a.float() - b.float()).abs().max()))
     if case == 0:  # (every output of each launch; dense, so every chunk slot of h is written)
         cfg, t = _prefetch_case(31, None, 1, 8192, 4, 4, 128, 128, False, "bfloat16", "float32", "spec")
         t["h0"] = _torch(np.random.default_rng(31).standard_normal((1, 4, 128, 128)).astype(np.float32))
@@ -990,13 +999,7 @@ def test_gpu_heads_first_bit_identical(case):
         runs = [torch_api.run_pipeline(op.pipeline(**cfg, **dict(base, **rows)), t),
                 torch_api.run_pipeline(op.pipeline(**cfg, **base), t)]
         torch.cuda.synchronize()
-        assert set(runs[0]) == set(runs[1]) and {"o", "ht"} <= set(runs[0]), (sorted(runs[0]), sorted(runs[1]))
-        for n in runs[0]:
-            a, b = runs[0][n], runs[1][n]
-            if n == "h" and used is not None:  # (the slots no sequence uses are never written: torch.empty's garbage)
-                a, b = a[:, used], b[:, used]
-            assert bool(torch.isfinite(a.float()).all()), (base, n)
-            assert torch.equal(a, b), (base, n, float((a.float() - b.float()).abs().max()))
+        _assert_runs_bit_identical(runs, used, base)
 
 
 @pytest.mark.cuda
