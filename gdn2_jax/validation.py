@@ -241,9 +241,23 @@ def check_positive_float(fn: str, name: str, value) -> float:
     return as_float
 
 
+# the range of ``scale``: float32's normal numbers. float32 is the kernels' dtype and the default compute dtype: a
+# larger scale overflows (inf / NaN in o), a smaller one is flushed or rounded to zero (o all zeros). The range is the
+# same for float64 math under x64, so that whether a scale is valid does not depend on the inputs' dtype.
+SCALE_MIN = float(np.finfo(np.float32).tiny)  # 1.1754944e-38
+SCALE_MAX = float(np.finfo(np.float32).max)   # 3.4028235e38
+
+
 def _check_scale(fn: str, scale, K: int) -> float:
-    """``scale`` as a Python float (default ``K ** -0.5``); must be a real number, finite and > 0."""
-    return K ** -0.5 if scale is None else check_positive_float(fn, "scale", scale)
+    """``scale`` as a Python float (default ``K ** -0.5``); must be a real number in
+    [``SCALE_MIN``, ``SCALE_MAX``], float32's normal range (TypeError / ValueError)."""
+    if scale is None:
+        return K ** -0.5
+    value = check_positive_float(fn, "scale", scale)
+    if not SCALE_MIN <= value <= SCALE_MAX:
+        raise ValueError(f"{fn}: `scale` must lie in float32's normal range [{SCALE_MIN:.8g}, {SCALE_MAX:.8g}] "
+                         f"(the kernels' and the default compute dtype), got {value!r}")
+    return value
 
 
 def concrete_all(a, pred) -> bool:

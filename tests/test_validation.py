@@ -149,6 +149,8 @@ CASES = [
     ("scale_nan", lambda: _args(scale=math.nan), ValueError, "scale", True),
     ("scale_inf", lambda: _args(scale=math.inf), ValueError, "scale", True),
     ("scale_huge_int", lambda: _args(scale=10 ** 400), ValueError, "scale", True),  # (beyond float's range)
+    ("scale_f32_overflow", lambda: _args(scale=1e300), ValueError, "scale", True),  # (inf / NaN in o before)
+    ("scale_f32_underflow", lambda: _args(scale=1e-300), ValueError, "scale", True),  # (o all zeros before)
     ("scale_str", lambda: _args(scale="0.5"), TypeError, "scale", True),
     ("scale_bool", lambda: _args(scale=True), TypeError, "scale", True),
     ("scale_list", lambda: _args(scale=[0.5]), TypeError, "scale", True),
@@ -223,6 +225,20 @@ def test_bad_shape_or_dtype_raises_at_trace_time(fn_name, case, build, exc, arg,
     with pytest.raises(exc) as excinfo:
         jax.eval_shape(f, arrays)
     _assert_names(excinfo, fn_name, arg)
+
+
+@pytest.mark.parametrize("fn_name", list(FUNCS))
+def test_scale_range_is_float32_normal(fn_name):
+    """``scale`` is taken up to the ends of float32's normal range and refused just beyond them (a subnormal
+    scale gave an all-zero o, one above float32's max inf / NaN)."""
+    tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    pos = _rng_inputs()
+    for ok in (tiny, big, 1, np.float32(0.25), np.asarray(0.25)):
+        _call(fn_name, pos, dict(scale=ok))
+    for bad in (np.nextafter(tiny, 0.0), 1e-39, np.nextafter(big, math.inf), 1e39):
+        with pytest.raises(ValueError, match="`scale` must lie in float32's normal range") as excinfo:
+            _call(fn_name, pos, dict(scale=bad))
+        _assert_names(excinfo, fn_name, "scale")
 
 
 def test_concrete_only_checks_are_skipped_for_traced_cu_seqlens():
