@@ -223,14 +223,17 @@ def check_positive_int(fn: str, name: str, value) -> int:
 
 
 def check_positive_float(fn: str, name: str, value) -> float:
-    """``value`` as a Python float: a static real number (not bool), finite and > 0 (TypeError / ValueError)."""
+    """``value`` as a Python float: a static real number (a Python or NumPy int or float, or a 0-d integer or
+    floating-point array; not bool), finite and > 0 (TypeError / ValueError)."""
     if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"{fn}: `{name}` must be a static Python float, got a traced value")
+        raise TypeError(f"{fn}: `{name}` must be a static real number, got a traced value "
+                        "(under jax.jit pass it as a static argument, e.g. static_argnames)")
     is_real_array = (hasattr(value, "dtype") and getattr(value, "shape", None) == ()
                      and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)))
     if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, float, np.integer, np.floating))
                                                   or is_real_array):
-        raise TypeError(f"{fn}: `{name}` must be a Python float, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{fn}: `{name}` must be a real number (a Python or NumPy int or float, or a 0-d integer or "
+                        f"floating-point array), got {type(value).__name__} {value!r}")
     try:
         as_float = float(value)
     except OverflowError:  # (a Python int beyond float's range)

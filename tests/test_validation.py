@@ -241,6 +241,24 @@ def test_scale_range_is_float32_normal(fn_name):
         _assert_names(excinfo, fn_name, "scale")
 
 
+@pytest.mark.parametrize("fn_name", list(FUNCS))
+def test_scale_type_error_says_what_is_accepted(fn_name):
+    """The TypeError for a non-real ``scale`` lists what is taken (ints and 0-d arrays too, so not "a Python
+    float"), and what it lists is taken."""
+    pos = _rng_inputs()
+    for ok in (2, 0.5, np.int64(2), np.float32(0.5), np.asarray(2), np.asarray(0.5, np.float32), jnp.asarray(0.5)):
+        _call(fn_name, pos, dict(scale=ok))
+    accepted = "must be a real number (a Python or NumPy int or float, or a 0-d integer or floating-point array)"
+    for bad in ("0.5", True, np.bool_(True), [0.5], 0.5j, np.asarray(0.5j), np.array([0.5, 0.5])):
+        with pytest.raises(TypeError) as excinfo:
+            _call(fn_name, pos, dict(scale=bad))
+        _assert_names(excinfo, fn_name, "scale")
+        assert accepted in str(excinfo.value) and "Python float" not in str(excinfo.value), str(excinfo.value)
+    with pytest.raises(TypeError, match="`scale` must be a static real number, got a traced value") as excinfo:
+        jax.jit(lambda s: _call(fn_name, pos, dict(scale=s)))(0.5)
+    assert "Python float" not in str(excinfo.value)
+
+
 def test_concrete_only_checks_are_skipped_for_traced_cu_seqlens():
     # Under jit the values of cu_seqlens are unknown: the call must trace (shapes are fine), which shows the
     # value checks above are skipped, not silently applied to garbage.
