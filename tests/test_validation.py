@@ -440,15 +440,20 @@ def test_traced_invalid_cu_seqlens_poison_gradients(fn, kw):
     assert np.isnan(np.asarray(dq)).all() and np.isnan(np.asarray(dv)).all()
 
 
-def test_l2norm_rejects_non_float_input():
+def test_l2norm_refuses_non_arrays_non_floats_and_scalars():
     from gdn2_jax import l2norm
 
-    np.testing.assert_allclose(np.asarray(l2norm(jnp.asarray([3.0, 4.0]))), [0.6, 0.8], rtol=1e-6)
-    for bad in (jnp.asarray([3, 4]), jnp.asarray([3 + 4j]), jnp.asarray([True, False])):
-        with pytest.raises(TypeError, match="`x`"):
+    for good in (jnp.asarray([3.0, 4.0]), np.asarray([3.0, 4.0], np.float32)):
+        np.testing.assert_allclose(np.asarray(l2norm(good)), [0.6, 0.8], rtol=1e-6)
+    for bad in ([3.0, 4.0], (3.0, 4.0), [[3.0, 4.0]], 5.0, "x", None):  # not arrays, as the ops' q, k, ... must be
+        with pytest.raises(TypeError, match=r"^l2norm: `x` must be an array, got " + type(bad).__name__):
             l2norm(bad)
-    with pytest.raises(ValueError, match="`x`"):
-        l2norm(jnp.asarray(1.0))
+    for bad in (jnp.asarray([3, 4]), jnp.asarray([3 + 4j]), jnp.asarray([True, False]), np.asarray([3, 4])):
+        with pytest.raises(TypeError, match=r"^l2norm: `x` must be a real floating-point array, got dtype"):
+            l2norm(bad)
+    for bad in (jnp.asarray(1.0), np.float32(1.0), np.asarray(1.0)):
+        with pytest.raises(ValueError, match=r"^l2norm: `x` must have at least one axis"):
+            l2norm(bad)
 
 
 @pytest.mark.parametrize("fn,kw", _ALL_FNS, ids=lambda x: getattr(x, "__name__", ""))

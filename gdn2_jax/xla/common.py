@@ -28,8 +28,11 @@ def l2norm(x: jax.Array) -> jax.Array:
     """``x / sqrt(sum(x**2, -1) + 1e-6)`` over the last axis, computed in float32 (float64 for float64 input) and
     cast back to ``x.dtype`` (FLA ``l2norm_fwd``; the kernels use the same epsilon).
 
-    Raises ``TypeError`` for a non-floating ``x`` and ``ValueError`` for a 0-d one.
+    Raises ``TypeError`` for an ``x`` that is not an array (a list, tuple or Python scalar, as the ops refuse them)
+    or not floating, and ``ValueError`` for a 0-d one.
     """
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"l2norm: `x` must be an array, got {type(x).__name__}")
     x = jnp.asarray(x)  # canonical dtype (numpy float64 without x64 -> float32)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"l2norm: `x` must be a real floating-point array, got dtype {x.dtype}")
