@@ -286,9 +286,9 @@ class GatedDeltaNet2(nnx.Module):
     ``[V]``, ``o_proj``.
 
     Raises:
-      TypeError: for an argument of the wrong type: sizes must be Python ints (not bools), flags Python bools,
-        ``expand_v``/``norm_eps`` real numbers, ``dtype``/``param_dtype`` floating dtypes, ``kernel_init`` a
-        callable, ``rngs`` an ``nnx.Rngs``, ``sharding`` None or a 2-tuple of axis names.
+      TypeError: for an argument of the wrong type: sizes must be Python or NumPy ints (not bools), flags Python
+        or NumPy bools, ``expand_v``/``norm_eps`` real numbers, ``dtype``/``param_dtype`` floating dtypes,
+        ``kernel_init`` a callable, ``rngs`` an ``nnx.Rngs``, ``sharding`` None or a 2-tuple of axis names.
       ValueError: for sizes < 1, ``expand_v``/``norm_eps`` not finite and > 0, inconsistent sizes or unknown
         option strings.
 
@@ -411,7 +411,7 @@ class GatedDeltaNet2(nnx.Module):
         float32 ``[batch_size, HV, K, V]``.
 
         Raises:
-          TypeError: ``batch_size`` not a Python int (bools refused) or ``dtype`` not a floating dtype.
+          TypeError: ``batch_size`` not a Python or NumPy int (bools refused) or ``dtype`` not a floating dtype.
           ValueError: ``batch_size`` < 1.
         """
         batch_size = _check_int("batch_size", batch_size)

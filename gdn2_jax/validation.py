@@ -216,7 +216,8 @@ def check_bool(fn: str, name: str, value) -> bool:
 def check_positive_int(fn: str, name: str, value) -> int:
     """``value`` as a Python int: a Python or numpy integer >= 1 (bool refused); ``TypeError`` / ``ValueError``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{fn}: `{name}` must be a positive Python int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{fn}: `{name}` must be a positive int (a Python or NumPy integer, not a bool), "
+                        f"got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"{fn}: `{name}` must be a positive int (>= 1), got {value!r}")
     return int(value)

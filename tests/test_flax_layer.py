@@ -469,6 +469,26 @@ def test_bad_arguments_name_the_argument(small_layer, call, exc, name):
         call(small_layer)
 
 
+def test_sizes_may_be_numpy_ints():
+    """As the docstring says: NumPy integer sizes build the same layer as Python ints (and are stored as Python
+    ints); a float or bool size is refused with a message that says what is taken."""
+    ref = GatedDeltaNet2(D_MODEL, head_dim=HEAD_DIM, num_heads=H, num_v_heads=2 * H, conv_size=3, rngs=nnx.Rngs(0))
+    layer = GatedDeltaNet2(np.int64(D_MODEL), head_dim=np.int32(HEAD_DIM), num_heads=np.int16(H),
+                           num_v_heads=np.uint8(2 * H), conv_size=np.int64(3), rngs=nnx.Rngs(0))
+    sizes = ("hidden_size", "head_dim", "num_heads", "num_v_heads", "conv_size")
+    assert [type(getattr(layer, n)) for n in sizes] == [int] * 5
+    assert [getattr(layer, n) for n in sizes] == [getattr(ref, n) for n in sizes]
+    x = rand_x(34, 2, 5)
+    y_ref, c_ref = ref(x, cache=ref.init_cache(2), deterministic=True)
+    y, c = layer(x, cache=layer.init_cache(np.int32(2)), deterministic=True)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    assert_cache_close(c_ref, c, 0.0)
+    for bad in (np.float32(8.0), np.bool_(True)):
+        with pytest.raises(TypeError, match=re.escape("`head_dim` must be a positive int (a Python or NumPy integer, "
+                                                      "not a bool)")):
+            GatedDeltaNet2(D_MODEL, head_dim=bad, num_heads=H, rngs=nnx.Rngs(0))
+
+
 def test_valid_argument_variants_agree():
     """Integer masks, numpy inputs, np.bool_ flags and traced masks under nnx.jit give the bool-mask result."""
     layer = make_layer(32)
