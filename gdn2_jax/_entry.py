@@ -19,8 +19,9 @@ import jax
 from kernels import registry
 
 from . import backends
-from .validation import (Problem, _is_concrete, canonical_slots, check_bool, check_inputs, check_positive_int,
-                         check_state_pool, run_poisoned, traced_cu_seqlens_valid, traced_state_pool_valid)
+from .validation import (SCALE_RANGE, Problem, _is_concrete, canonical_slots, check_bool, check_inputs,
+                         check_positive_int, check_state_pool, run_poisoned, traced_cu_seqlens_valid,
+                         traced_state_pool_valid)
 
 __all__ = ["call", "ARGS_DOC", "RETURNS_DOC", "OPS_RETURNS_DOC"]
 
@@ -107,7 +108,7 @@ def call(op: str, args: dict):
     return o, final_state
 
 
-ARGS_DOC = """
+ARGS_DOC = f"""
     Args:
       q, k: ``[B, T, H, K]`` queries and keys; float16, bfloat16, float32 (float64 under x64, not on the kernels).
         The erase step ``I - k (b*k)^T`` keeps the state bounded only while ``sum_i b_i k_i^2 <= 2``: pass unit-norm
@@ -118,7 +119,9 @@ ARGS_DOC = """
         practice; float32 recommended, bfloat16 accepted).
       b: ``[B, T, HV, K]`` activated erase gate, in [0, 1] (sigmoid), or [0, 2] for negative eigenvalues.
       w: ``[B, T, HV, V]`` activated write gate, in [0, 1].
-      scale: positive float multiplying q; default ``K ** -0.5``.
+      scale: real number multiplying q (a Python or NumPy int or float, or a 0-d array; static, not traced), in
+        {SCALE_RANGE} (ValueError outside it, also for
+        float64 math under x64); default ``K ** -0.5``.
       initial_state: ``[N, HV, K, V]`` float32 state per sequence (N = B, or ``len(cu_seqlens) - 1``);
         default zeros. float64 is accepted; under x64 it makes the math float64 (without x64, float32).
       output_final_state: if True also return the final state ``[N, HV, K, V]`` (in the compute dtype, below).

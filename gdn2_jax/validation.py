@@ -250,6 +250,7 @@ def check_positive_float(fn: str, name: str, value) -> float:
 # same for float64 math under x64, so that whether a scale is valid does not depend on the inputs' dtype.
 SCALE_MIN = float(np.finfo(np.float32).tiny)  # 1.1754944e-38
 SCALE_MAX = float(np.finfo(np.float32).max)   # 3.4028235e38
+SCALE_RANGE = f"float32's normal range [{SCALE_MIN:.8g}, {SCALE_MAX:.8g}]"  # (as the messages and docstrings say it)
 
 
 def _check_scale(fn: str, scale, K: int) -> float:
@@ -259,8 +260,8 @@ def _check_scale(fn: str, scale, K: int) -> float:
         return K ** -0.5
     value = check_positive_float(fn, "scale", scale)
     if not SCALE_MIN <= value <= SCALE_MAX:
-        raise ValueError(f"{fn}: `scale` must lie in float32's normal range [{SCALE_MIN:.8g}, {SCALE_MAX:.8g}] "
-                         f"(the kernels' and the default compute dtype), got {value!r}")
+        raise ValueError(f"{fn}: `scale` must lie in {SCALE_RANGE} (the kernels' and the default compute dtype), "
+                         f"got {value!r}")
     return value
 
 

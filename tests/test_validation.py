@@ -241,6 +241,15 @@ def test_scale_range_is_float32_normal(fn_name):
         _assert_names(excinfo, fn_name, "scale")
 
 
+def test_scale_docstrings_state_the_range():
+    from gdn2_jax.validation import SCALE_RANGE
+
+    assert SCALE_RANGE == "float32's normal range [1.1754944e-38, 3.4028235e+38]"
+    for fn_name, f in FUNCS.items():
+        doc = " ".join(f.__doc__.split())  # (the docstring wraps lines)
+        assert "scale: real number multiplying q" in doc and f"in {SCALE_RANGE} (ValueError outside it" in doc, fn_name
+
+
 @pytest.mark.parametrize("fn_name", list(FUNCS))
 def test_scale_type_error_says_what_is_accepted(fn_name):
     """The TypeError for a non-real ``scale`` lists what is taken (ints and 0-d arrays too, so not "a Python
