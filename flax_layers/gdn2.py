@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 
 from gdn2_jax import backends, chunk_gdn2, fused_recurrent_gdn2
-from gdn2_jax.validation import check_cu_seqlens, check_positive_float, check_positive_int, concrete_all
+from gdn2_jax.validation import (check_cu_seqlens, check_f32_normal, check_positive_float, check_positive_int,
+                                 concrete_all)
 from gdn2_jax.xla import sequence_ids
 
 __all__ = ["GatedDeltaNet2", "GDN2Cache", "ShortConvolution", "GatedRMSNorm", "nvlabs_kernel_init"]
@@ -246,7 +247,7 @@ class GatedDeltaNet2(nnx.Module):
       use_short_conv: depthwise causal conv + SiLU on q, k, v (default True); otherwise SiLU only.
       conv_size: conv window W (default 4). conv_bias: bias in the convs (default False).
       allow_neg_eigval: ``b = 2 * sigmoid(...)`` in [0, 2] (default False).
-      norm_eps: eps of the gated output RMSNorm (default 1e-5).
+      norm_eps: eps of the gated output RMSNorm (default 1e-5), in float32's normal range.
       gate_activation: output gate, ``"silu"`` (default; paper / NVlabs) or ``"sigmoid"`` (FLA's layer; use it
         for weights converted from FLA, see :mod:`flax_layers.convert`).
       mode: ``"chunk"`` (default) or ``"fused_recurrent"``: the op used for inputs longer than 64 tokens in
@@ -289,8 +290,8 @@ class GatedDeltaNet2(nnx.Module):
       TypeError: for an argument of the wrong type: sizes must be Python or NumPy ints (not bools), flags Python
         or NumPy bools, ``expand_v``/``norm_eps`` real numbers, ``dtype``/``param_dtype`` floating dtypes,
         ``kernel_init`` a callable, ``rngs`` an ``nnx.Rngs``, ``sharding`` None or a 2-tuple of axis names.
-      ValueError: for sizes < 1, ``expand_v``/``norm_eps`` not finite and > 0, inconsistent sizes or unknown
-        option strings.
+      ValueError: for sizes < 1, ``expand_v`` not finite and > 0, ``norm_eps`` outside float32's normal range
+        (1e-40 became 0 in the float32 norm: NaN on an all-zero row), inconsistent sizes or unknown option strings.
 
     Examples::
 
@@ -317,7 +318,7 @@ class GatedDeltaNet2(nnx.Module):
                                           ("num_heads", num_heads), ("conv_size", conv_size)))
         num_v_heads = num_heads if num_v_heads is None else _check_int("num_v_heads", num_v_heads)
         expand_v = check_positive_float(_FN, "expand_v", expand_v)
-        norm_eps = check_positive_float(_FN, "norm_eps", norm_eps)
+        norm_eps = check_f32_normal(_FN, "norm_eps", norm_eps)
         use_short_conv, conv_bias, allow_neg_eigval, deterministic = (
             _check_bool(n, v) for n, v in (("use_short_conv", use_short_conv), ("conv_bias", conv_bias),
                                            ("allow_neg_eigval", allow_neg_eigval), ("deterministic", deterministic)))

@@ -119,9 +119,10 @@ ARGS_DOC = f"""
         practice; float32 recommended, bfloat16 accepted).
       b: ``[B, T, HV, K]`` activated erase gate, in [0, 1] (sigmoid), or [0, 2] for negative eigenvalues.
       w: ``[B, T, HV, V]`` activated write gate, in [0, 1].
-      scale: real number multiplying q (a Python or NumPy int or float, or a 0-d array; static, not traced), in
-        {SCALE_RANGE} (ValueError outside it, also for
-        float64 math under x64); default ``K ** -0.5``.
+      scale: real number multiplying q (a Python or NumPy int or float, or a 0-d array; static, not traced);
+        default ``K ** -0.5``. It must lie in {SCALE_RANGE} (ValueError outside it, also for float64
+        math under x64). The range only makes the scale representable: near either end o can still overflow or
+        lose precision, depending on the data.
       initial_state: ``[N, HV, K, V]`` float32 state per sequence (N = B, or ``len(cu_seqlens) - 1``);
         default zeros. float64 is accepted; under x64 it makes the math float64 (without x64, float32).
       output_final_state: if True also return the final state ``[N, HV, K, V]`` (in the compute dtype, below).

@@ -229,10 +229,12 @@ def check_positive_float(fn: str, name: str, value) -> float:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(f"{fn}: `{name}` must be a static real number, got a traced value "
                         "(under jax.jit pass it as a static argument, e.g. static_argnames)")
-    is_real_array = (hasattr(value, "dtype") and getattr(value, "shape", None) == ()
+    is_real_array = (isinstance(value, (np.ndarray, jax.Array)) and value.shape == ()
                      and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)))
-    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, float, np.integer, np.floating))
-                                                  or is_real_array):
+    # (numpy's timedelta64 is a subclass of np.signedinteger: refused as a duration, not a number)
+    is_timedelta = getattr(getattr(value, "dtype", None), "kind", "") == "m"  # (np.timedelta64 or its arrays)
+    if (isinstance(value, (bool, np.bool_)) or is_timedelta
+            or not (isinstance(value, (int, float, np.integer, np.floating)) or is_real_array)):
         raise TypeError(f"{fn}: `{name}` must be a real number (a Python or NumPy int or float, or a 0-d integer or "
                         f"floating-point array), got {type(value).__name__} {value!r}")
     try:
@@ -245,24 +247,31 @@ def check_positive_float(fn: str, name: str, value) -> float:
     return as_float
 
 
-# the range of ``scale``: float32's normal numbers. float32 is the kernels' dtype and the default compute dtype: a
-# larger scale overflows (inf / NaN in o), a smaller one is flushed or rounded to zero (o all zeros). The range is the
-# same for float64 math under x64, so that whether a scale is valid does not depend on the inputs' dtype.
-SCALE_MIN = float(np.finfo(np.float32).tiny)  # 1.1754944e-38
-SCALE_MAX = float(np.finfo(np.float32).max)   # 3.4028235e38
-SCALE_RANGE = f"float32's normal range [{SCALE_MIN:.8g}, {SCALE_MAX:.8g}]"  # (as the messages and docstrings say it)
+# the range of ``scale`` (and of the Flax layer's ``norm_eps``): float32's normal numbers. float32 is the kernels' dtype
+# and the default compute dtype: a larger value is inf there (inf / NaN in o), a smaller one is flushed or rounded to
+# zero (o all zeros). The range is the same for float64 math under x64, so that whether a value is valid does not
+# depend on the inputs' dtype. It only makes the value itself representable: near either end, o can still overflow
+# or lose precision, depending on the data. The bounds are printed exactly (repr), so the printed ones are accepted.
+F32_NORMAL_MIN = float(np.finfo(np.float32).tiny)  # 1.1754943508222875e-38
+F32_NORMAL_MAX = float(np.finfo(np.float32).max)   # 3.4028234663852886e+38
+F32_NORMAL_RANGE = f"float32's normal range [{F32_NORMAL_MIN!r}, {F32_NORMAL_MAX!r}]"
+SCALE_RANGE = F32_NORMAL_RANGE  # (as the ops' messages and docstrings say it)
+
+
+def check_f32_normal(fn: str, name: str, value) -> float:
+    """``value`` as a Python float: :func:`check_positive_float`, and within [``F32_NORMAL_MIN``,
+    ``F32_NORMAL_MAX``], float32's normal range (TypeError / ValueError)."""
+    as_float = check_positive_float(fn, name, value)
+    if not F32_NORMAL_MIN <= as_float <= F32_NORMAL_MAX:
+        raise ValueError(f"{fn}: `{name}` must lie in {F32_NORMAL_RANGE} (float32 is the kernels' and the "
+                         f"default compute dtype), got {as_float!r}")
+    return as_float
 
 
 def _check_scale(fn: str, scale, K: int) -> float:
-    """``scale`` as a Python float (default ``K ** -0.5``); must be a real number in
-    [``SCALE_MIN``, ``SCALE_MAX``], float32's normal range (TypeError / ValueError)."""
-    if scale is None:
-        return K ** -0.5
-    value = check_positive_float(fn, "scale", scale)
-    if not SCALE_MIN <= value <= SCALE_MAX:
-        raise ValueError(f"{fn}: `scale` must lie in {SCALE_RANGE} (the kernels' and the default compute dtype), "
-                         f"got {value!r}")
-    return value
+    """``scale`` as a Python float (default ``K ** -0.5``); must be a real number in float32's normal range
+    (:func:`check_f32_normal`; TypeError / ValueError)."""
+    return K ** -0.5 if scale is None else check_f32_normal(fn, "scale", scale)
 
 
 def concrete_all(a, pred) -> bool:

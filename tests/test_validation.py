@@ -155,6 +155,10 @@ CASES = [
     ("scale_bool", lambda: _args(scale=True), TypeError, "scale", True),
     ("scale_list", lambda: _args(scale=[0.5]), TypeError, "scale", True),
     ("scale_vector", lambda: _args(scale=np.array([0.5, 0.5])), TypeError, "scale", True),
+    ("scale_timedelta", lambda: _args(scale=np.timedelta64(1)), TypeError, "scale", True),  # (a np.signedinteger)
+    ("scale_timedelta_0d", lambda: _args(scale=np.array(np.timedelta64(2))), TypeError, "scale", True),
+    ("scale_shape_dtype_struct", lambda: _args(scale=jax.ShapeDtypeStruct((), jnp.float32)), TypeError, "scale",
+     True),  # (float() failed on it before, without naming scale)
     # flags
     ("flag_final_int", lambda: _args(output_final_state=1), TypeError, "output_final_state", True),
     ("flag_final_str", lambda: _args(output_final_state="yes"), TypeError, "output_final_state", True),
@@ -244,10 +248,23 @@ def test_scale_range_is_float32_normal(fn_name):
 def test_scale_docstrings_state_the_range():
     from gdn2_jax.validation import SCALE_RANGE
 
-    assert SCALE_RANGE == "float32's normal range [1.1754944e-38, 3.4028235e+38]"
+    assert SCALE_RANGE == "float32's normal range [1.1754943508222875e-38, 3.4028234663852886e+38]"
     for fn_name, f in FUNCS.items():
         doc = " ".join(f.__doc__.split())  # (the docstring wraps lines)
         assert "scale: real number multiplying q" in doc and f"in {SCALE_RANGE} (ValueError outside it" in doc, fn_name
+        assert "only makes the scale representable" in doc, fn_name
+
+
+@pytest.mark.parametrize("fn_name", list(FUNCS))
+def test_scale_printed_bounds_are_accepted(fn_name):
+    """The bounds the message prints are taken as written (the rounded 3.4028235e+38 printed before was above
+    float32's max and refused)."""
+    from gdn2_jax.validation import SCALE_RANGE
+
+    low, high = (float(x) for x in SCALE_RANGE.split("[")[1].rstrip("]").split(", "))
+    pos = _rng_inputs()
+    for ok in (low, high):
+        _call(fn_name, pos, dict(scale=ok))
 
 
 @pytest.mark.parametrize("fn_name", list(FUNCS))
@@ -454,11 +471,14 @@ def test_l2norm_refuses_non_arrays_non_floats_and_scalars():
 
     for good in (jnp.asarray([3.0, 4.0]), np.asarray([3.0, 4.0], np.float32)):
         np.testing.assert_allclose(np.asarray(l2norm(good)), [0.6, 0.8], rtol=1e-6)
-    for bad in ([3.0, 4.0], (3.0, 4.0), [[3.0, 4.0]], 5.0, "x", None):  # not arrays, as the ops' q, k, ... must be
-        with pytest.raises(TypeError, match=r"^l2norm: `x` must be an array, got " + type(bad).__name__):
+    for bad in ([3.0, 4.0], (3.0, 4.0), [[3.0, 4.0]], 5.0, "x", None,  # not arrays, as the ops' q, k, ... must be
+                jax.ShapeDtypeStruct((2,), jnp.float32)):
+        with pytest.raises(TypeError, match=r"^l2norm: `x` must be a jax or numpy array, got " + type(bad).__name__):
             l2norm(bad)
-    for bad in (jnp.asarray([3, 4]), jnp.asarray([3 + 4j]), jnp.asarray([True, False]), np.asarray([3, 4])):
-        with pytest.raises(TypeError, match=r"^l2norm: `x` must be a real floating-point array, got dtype"):
+    for bad in (jnp.asarray([3, 4]), jnp.asarray([3 + 4j]), jnp.asarray([True, False]), np.asarray([3, 4]),
+                jnp.asarray([3.0, 4.0], jnp.float8_e4m3fn), np.asarray([3.0, 4.0], dtype=object)):
+        with pytest.raises(TypeError, match=r"^l2norm: `x` must be a float16, bfloat16, float32 or float64 array, "
+                                            r"got dtype " + str(bad.dtype)):  # (the dtype given, not a converted one)
             l2norm(bad)
     for bad in (jnp.asarray(1.0), np.float32(1.0), np.asarray(1.0)):
         with pytest.raises(ValueError, match=r"^l2norm: `x` must have at least one axis"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kernels._common import L2NORM_EPS
@@ -28,14 +29,15 @@ def l2norm(x: jax.Array) -> jax.Array:
     """``x / sqrt(sum(x**2, -1) + 1e-6)`` over the last axis, computed in float32 (float64 for float64 input) and
     cast back to ``x.dtype`` (FLA ``l2norm_fwd``; the kernels use the same epsilon).
 
-    Raises ``TypeError`` for an ``x`` that is not an array (a list, tuple or Python scalar, as the ops refuse them)
-    or not floating, and ``ValueError`` for a 0-d one.
+    Raises ``TypeError`` for an ``x`` that is not a jax or numpy array (a list, tuple, Python scalar or
+    ``jax.ShapeDtypeStruct``, as the ops refuse them) or whose dtype is not float16, bfloat16, float32 or float64, and
+    ``ValueError`` for a 0-d one.
     """
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"l2norm: `x` must be an array, got {type(x).__name__}")
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        raise TypeError(f"l2norm: `x` must be a jax or numpy array, got {type(x).__name__}")
+    if not any(np.dtype(x.dtype) == np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)):
+        raise TypeError(f"l2norm: `x` must be a float16, bfloat16, float32 or float64 array, got dtype {x.dtype}")
     x = jnp.asarray(x)  # canonical dtype (numpy float64 without x64 -> float32)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"l2norm: `x` must be a real floating-point array, got dtype {x.dtype}")
     if x.ndim == 0:
         raise ValueError("l2norm: `x` must have at least one axis (normalised over the last one)")
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
