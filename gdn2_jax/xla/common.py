@@ -9,6 +9,8 @@ from jax import lax
 
 from kernels._common import L2NORM_EPS
 
+from ..validation import _is_float
+
 __all__ = ["ein", "masks", "l2norm", "prepare_qk", "sequence_ids", "L2NORM_EPS"]
 
 _HI = lax.Precision.HIGHEST
@@ -35,7 +37,7 @@ def l2norm(x: jax.Array) -> jax.Array:
     """
     if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
         raise TypeError(f"l2norm: `x` must be a jax or numpy array, got {type(x).__name__}")
-    if not any(np.dtype(x.dtype) == np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)):
+    if not _is_float(x):  # (the ops' dtype check of q, k, ...)
         raise TypeError(f"l2norm: `x` must be a float16, bfloat16, float32 or float64 array, got dtype {x.dtype}")
     x = jnp.asarray(x)  # canonical dtype (numpy float64 without x64 -> float32)
     if x.ndim == 0:
