@@ -130,8 +130,8 @@ class ShortConvolution(nnx.Module):
     def __init__(self, features: int, kernel_size: int = 4, *, use_bias: bool = False,
                  activation: str | None = "silu", param_dtype=jnp.float32, kernel_init=None,
                  sharding=None, rngs: nnx.Rngs):
-        if activation not in ("silu", "swish", None):
-            raise ValueError(f"ShortConvolution: `activation` must be 'silu' or None, got {activation!r}")
+        if activation is not None and (not isinstance(activation, str) or activation not in ("silu", "swish")):
+            raise ValueError(f"ShortConvolution: `activation` must be 'silu' ('swish') or None, got {activation!r}")
         init = _torch_conv_init if kernel_init is None else kernel_init
         self.kernel = nnx.Param(init(rngs.params(), (kernel_size, features), param_dtype),
                                 **_meta(sharding, None, "heads"))
@@ -219,7 +219,7 @@ class GatedRMSNorm(nnx.Module):
 
     def __init__(self, features: int, *, eps: float = 1e-5, activation: str = "silu", param_dtype=jnp.float32,
                  sharding=None):
-        if activation not in GATE_ACTIVATIONS:
+        if not isinstance(activation, str) or activation not in GATE_ACTIVATIONS:
             raise ValueError(f"GatedRMSNorm: `activation` must be one of {GATE_ACTIVATIONS}, got {activation!r}")
         self.scale = nnx.Param(jnp.ones((features,), param_dtype), **_meta(sharding, None))
         self.eps = eps
@@ -291,7 +291,9 @@ class GatedDeltaNet2(nnx.Module):
         or NumPy bools, ``expand_v``/``norm_eps`` real numbers, ``dtype``/``param_dtype`` floating dtypes,
         ``kernel_init`` a callable, ``rngs`` an ``nnx.Rngs``, ``sharding`` None or a 2-tuple of axis names.
       ValueError: for sizes < 1, ``expand_v`` not finite and > 0, ``norm_eps`` outside float32's normal range
-        (1e-40 became 0 in the float32 norm: NaN on an all-zero row), inconsistent sizes or unknown option strings.
+        (1e-40 became 0 in the float32 norm: NaN on an all-zero row), inconsistent sizes, and for an option
+        (``gate_activation``, ``mode``, ``train_mode``, ``backend``, ``train_backend``) that is not one of its
+        strings, whatever its type (``mode=1`` is a ValueError, as for an unknown string).
 
     Examples::
 
@@ -342,7 +344,7 @@ class GatedDeltaNet2(nnx.Module):
                              "is not a positive integer")
         if num_v_heads < num_heads or num_v_heads % num_heads:
             raise ValueError(f"GatedDeltaNet2: `num_v_heads`={num_v_heads} must be a multiple of num_heads={num_heads}")
-        if gate_activation not in GATE_ACTIVATIONS:
+        if not isinstance(gate_activation, str) or gate_activation not in GATE_ACTIVATIONS:
             raise ValueError(f"GatedDeltaNet2: `gate_activation` must be one of {GATE_ACTIVATIONS}, "
                              f"got {gate_activation!r}")
         for name, md in (("mode", mode), ("train_mode", train_mode)):

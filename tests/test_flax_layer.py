@@ -441,6 +441,10 @@ _BAD_CALLS = [  # (id, call(layer), exception, argument named in the message)
     ("x-nan", lambda m: m(_X.at[1, 3, 4].set(jnp.nan)), ValueError, "x"),
     ("x-inf-numpy", lambda m: m(np.asarray(_X.at[0, 0, 0].set(-jnp.inf))), ValueError, "x"),
     ("mode-array", lambda m: _small(mode=np.array(["chunk"])), ValueError, "mode"),
+    ("gate_activation-array", lambda m: _small(gate_activation=np.array(["silu"])), ValueError, "gate_activation"),
+    ("gate_activation-array2", lambda m: _small(gate_activation=np.array(["silu", "x"])), ValueError,
+     "gate_activation"),
+    ("gate_activation-int", lambda m: _small(gate_activation=1), ValueError, "gate_activation"),
     ("train_mode-bad", lambda m: _small(train_mode="recurrent"), ValueError, "train_mode"),
     ("hidden_size-str", lambda m: GatedDeltaNet2("a", rngs=nnx.Rngs(0)), TypeError, "hidden_size"),
     ("hidden_size-float", lambda m: GatedDeltaNet2(32.0, rngs=nnx.Rngs(0)), TypeError, "hidden_size"),
@@ -530,3 +534,15 @@ def test_unavailable_tilelang_backend_raises_before_computing(deterministic, arg
 def test_bad_backend_names_the_argument(arg, bad):
     with pytest.raises(ValueError, match=re.escape(f"`{arg}`")):
         _small(**{arg: bad})
+
+
+@pytest.mark.parametrize("activation", [np.array(["silu"]), np.array(["silu", "x"]), 1, "relu"])
+def test_submodule_activation_must_be_an_option_string(activation):
+    """An array holding 'silu' compared equal through `in` and was stored as the activation; now a ValueError."""
+    from flax_layers import GatedRMSNorm, ShortConvolution
+    with pytest.raises(ValueError, match="GatedRMSNorm: `activation`"):
+        GatedRMSNorm(8, activation=activation)
+    with pytest.raises(ValueError, match="ShortConvolution: `activation`"):
+        ShortConvolution(8, activation=activation, rngs=nnx.Rngs(0))
+    assert GatedRMSNorm(8, activation="sigmoid").activation == "sigmoid"
+    assert ShortConvolution(8, activation=None, rngs=nnx.Rngs(0)).activation is None
