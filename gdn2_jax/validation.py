@@ -204,10 +204,14 @@ def check_cu_seqlens(fn: str, cu_seqlens, B: int, T: int) -> int:
     return cu_seqlens.shape[0] - 1
 
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
 def check_bool(fn: str, name: str, value) -> bool:
     """``value`` as a Python bool (numpy bool accepted); ``TypeError`` naming ``name`` otherwise."""
     if not isinstance(value, (bool, np.bool_)):
-        hint = (" (a traced value: under jax.jit pass it as a static argument, e.g. static_argnames)"
+        hint = (" (a traced value: under jax.jit pass it as a static argument, e.g. static_argnames, as a Python "
+                "bool: a static argument must be hashable, which an array is not)"
                 if isinstance(value, jax.core.Tracer) else "")
         raise TypeError(f"{fn}: `{name}` must be a Python bool, got {type(value).__name__}{hint}")
     return bool(value)
@@ -220,6 +224,8 @@ def check_positive_int(fn: str, name: str, value) -> int:
                         f"got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"{fn}: `{name}` must be a positive int (>= 1), got {value!r}")
+    if value > _INT64_MAX:  # (a size no array can have; 10**30 failed inside MLIR)
+        raise ValueError(f"{fn}: `{name}` must be at most 2**63 - 1 (an int64 array dimension), got {value!r}")
     return int(value)
 
 
@@ -228,7 +234,8 @@ def check_positive_float(fn: str, name: str, value) -> float:
     floating-point array; not bool), finite and > 0 (TypeError / ValueError)."""
     if isinstance(value, jax.core.Tracer):
         raise TypeError(f"{fn}: `{name}` must be a static real number, got a traced value "
-                        "(under jax.jit pass it as a static argument, e.g. static_argnames)")
+                        "(under jax.jit pass it as a static argument, e.g. static_argnames, and as a number such as "
+                        "float(x): a static argument must be hashable, which an array, even a 0-d one, is not)")
     is_real_array = (isinstance(value, (np.ndarray, jax.Array)) and value.shape == ()
                      and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)))
     # (numpy's timedelta64 is a subclass of np.signedinteger: refused as a duration, not a number)

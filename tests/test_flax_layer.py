@@ -447,6 +447,8 @@ _BAD_CALLS = [  # (id, call(layer), exception, argument named in the message)
     ("gate_activation-int", lambda m: _small(gate_activation=1), ValueError, "gate_activation"),
     ("train_mode-bad", lambda m: _small(train_mode="recurrent"), ValueError, "train_mode"),
     ("hidden_size-str", lambda m: GatedDeltaNet2("a", rngs=nnx.Rngs(0)), TypeError, "hidden_size"),
+    ("hidden_size-huge", lambda m: GatedDeltaNet2(10**30, rngs=nnx.Rngs(0)), ValueError, "hidden_size"),  # (MLIR)
+    ("conv_size-2**63", lambda m: _small(conv_size=2**63), ValueError, "conv_size"),
     ("hidden_size-float", lambda m: GatedDeltaNet2(32.0, rngs=nnx.Rngs(0)), TypeError, "hidden_size"),
     ("conv_size-float", lambda m: _small(conv_size=2.5), TypeError, "conv_size"),
     ("num_heads-bool", lambda m: GatedDeltaNet2(D_MODEL, num_heads=True, rngs=nnx.Rngs(0)), TypeError, "num_heads"),

@@ -283,6 +283,7 @@ def test_scale_type_error_says_what_is_accepted(fn_name):
     with pytest.raises(TypeError, match="`scale` must be a static real number, got a traced value") as excinfo:
         jax.jit(lambda s: _call(fn_name, pos, dict(scale=s)))(0.5)
     assert "Python float" not in str(excinfo.value)
+    assert "hashable" in str(excinfo.value)  # (a 0-d array through static_argnames is refused as unhashable)
 
 
 def test_concrete_only_checks_are_skipped_for_traced_cu_seqlens():
