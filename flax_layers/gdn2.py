@@ -66,6 +66,30 @@ def _check_int(name, value):
     return check_positive_int(_FN, name, value)
 
 
+#: the most elements an array of the layer (a parameter or a cache array) may have: 2**56 float32 are 256 PiB, which
+#: no device holds; far larger sizes overflowed inside XLA (a process abort: "overflow in static extent product")
+MAX_ARRAY_ELEMENTS = 2**56
+
+
+def _check_elements(sizes: str, arrays: dict) -> None:
+    """ValueError naming ``sizes`` if any of ``arrays`` (name -> shape) would hold more than MAX_ARRAY_ELEMENTS."""
+    for what, shape in arrays.items():
+        n = math.prod(shape)
+        if n > MAX_ARRAY_ELEMENTS:
+            raise ValueError(f"{_FN}: {sizes} give the {what} {n} elements, more than the {MAX_ARRAY_ELEMENTS} "
+                             "(2**56) any array of the layer may have")
+
+
+def _check_option(owner: str, name: str, value, choices: tuple, also: str = "") -> None:
+    """An option string: ``TypeError`` if not a str (an array holding 'silu' passed ``in`` and was stored),
+    ``ValueError`` if not one of ``choices`` (as the ops' ``backend`` check)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{owner}: `{name}` must be a str, one of {choices}{also}, got {type(value).__name__} "
+                        f"{value!r}")
+    if value not in choices:
+        raise ValueError(f"{owner}: `{name}` must be one of {choices}{also}, got {value!r}")
+
+
 def _check_bool(name, value):
     """Python bool or numpy bool_ (strings, ints, None refused: they would be read as truthy/falsy)."""
     if not isinstance(value, (bool, np.bool_)):
@@ -130,8 +154,8 @@ class ShortConvolution(nnx.Module):
     def __init__(self, features: int, kernel_size: int = 4, *, use_bias: bool = False,
                  activation: str | None = "silu", param_dtype=jnp.float32, kernel_init=None,
                  sharding=None, rngs: nnx.Rngs):
-        if activation is not None and (not isinstance(activation, str) or activation not in ("silu", "swish")):
-            raise ValueError(f"ShortConvolution: `activation` must be 'silu' ('swish') or None, got {activation!r}")
+        if activation is not None:
+            _check_option("ShortConvolution", "activation", activation, ("silu", "swish"), " or None")
         init = _torch_conv_init if kernel_init is None else kernel_init
         self.kernel = nnx.Param(init(rngs.params(), (kernel_size, features), param_dtype),
                                 **_meta(sharding, None, "heads"))
@@ -219,8 +243,7 @@ class GatedRMSNorm(nnx.Module):
 
     def __init__(self, features: int, *, eps: float = 1e-5, activation: str = "silu", param_dtype=jnp.float32,
                  sharding=None):
-        if not isinstance(activation, str) or activation not in GATE_ACTIVATIONS:
-            raise ValueError(f"GatedRMSNorm: `activation` must be one of {GATE_ACTIVATIONS}, got {activation!r}")
+        _check_option("GatedRMSNorm", "activation", activation, GATE_ACTIVATIONS)
         self.scale = nnx.Param(jnp.ones((features,), param_dtype), **_meta(sharding, None))
         self.eps = eps
         self.activation = activation
@@ -289,11 +312,13 @@ class GatedDeltaNet2(nnx.Module):
     Raises:
       TypeError: for an argument of the wrong type: sizes must be Python or NumPy ints (not bools), flags Python
         or NumPy bools, ``expand_v``/``norm_eps`` real numbers, ``dtype``/``param_dtype`` floating dtypes,
-        ``kernel_init`` a callable, ``rngs`` an ``nnx.Rngs``, ``sharding`` None or a 2-tuple of axis names.
-      ValueError: for sizes < 1, ``expand_v`` not finite and > 0, ``norm_eps`` outside float32's normal range
-        (1e-40 became 0 in the float32 norm: NaN on an all-zero row), inconsistent sizes, and for an option
-        (``gate_activation``, ``mode``, ``train_mode``, ``backend``, ``train_backend``) that is not one of its
-        strings, whatever its type (``mode=1`` is a ValueError, as for an unknown string).
+        ``kernel_init`` a callable, ``rngs`` an ``nnx.Rngs``, ``sharding`` None or a 2-tuple of axis names, the
+        option arguments strs.
+      ValueError: for sizes < 1, sizes that give a parameter more than 2**56 elements (:data:`MAX_ARRAY_ELEMENTS`),
+        ``expand_v`` not finite and > 0, ``norm_eps`` outside float32's normal range
+        (1e-40 became 0 in the float32 norm: NaN on an all-zero row), inconsistent sizes, or an unknown option
+        string (``gate_activation``, ``mode``, ``train_mode``, ``backend``, ``train_backend``; one that is not a
+        str at all is a TypeError).
 
     Examples::
 
@@ -344,15 +369,19 @@ class GatedDeltaNet2(nnx.Module):
                              "is not a positive integer")
         if num_v_heads < num_heads or num_v_heads % num_heads:
             raise ValueError(f"GatedDeltaNet2: `num_v_heads`={num_v_heads} must be a multiple of num_heads={num_heads}")
-        if not isinstance(gate_activation, str) or gate_activation not in GATE_ACTIVATIONS:
-            raise ValueError(f"GatedDeltaNet2: `gate_activation` must be one of {GATE_ACTIVATIONS}, "
-                             f"got {gate_activation!r}")
+        _check_option(_FN, "gate_activation", gate_activation, GATE_ACTIVATIONS)
         for name, md in (("mode", mode), ("train_mode", train_mode)):
-            if not isinstance(md, str) or md not in ("chunk", "fused_recurrent"):
-                raise ValueError(f"GatedDeltaNet2: `{name}` must be 'chunk' or 'fused_recurrent', got {md!r}")
+            _check_option(_FN, name, md, ("chunk", "fused_recurrent"))
         for name, be in (("backend", backend), ("train_backend", train_backend)):
-            if not isinstance(be, str) or be not in backends.BACKENDS:
-                raise ValueError(f"GatedDeltaNet2: `{name}` must be one of {backends.BACKENDS}, got {be!r}")
+            _check_option(_FN, name, be, backends.BACKENDS)
+
+        dk, dv = num_heads * head_dim, num_v_heads * head_v_dim
+        _check_elements(f"`hidden_size`={hidden_size}, `head_dim`={head_dim}, `num_heads`={num_heads}, "
+                        f"`num_v_heads`={num_v_heads}, `expand_v`={expand_v}, `conv_size`={conv_size}",
+                        {"q_proj / k_proj / b_proj kernels": (hidden_size, dk), "v_proj / w_proj kernels":
+                         (hidden_size, dv), "q_conv1d / k_conv1d kernels": (conv_size, dk), "v_conv1d kernel":
+                         (conv_size, dv), "f_proj / g_proj inner kernels": (hidden_size, head_v_dim),
+                         "f_proj outer kernel": (head_v_dim, dk), "g_proj outer kernel": (head_v_dim, dv)})
 
         self.hidden_size = hidden_size
         self.head_dim = self.head_k_dim = head_dim
@@ -415,9 +444,12 @@ class GatedDeltaNet2(nnx.Module):
 
         Raises:
           TypeError: ``batch_size`` not a Python or NumPy int (bools refused) or ``dtype`` not a floating dtype.
-          ValueError: ``batch_size`` < 1.
+          ValueError: ``batch_size`` < 1, or so large that a cache array would have more than 2**56 elements.
         """
         batch_size = _check_int("batch_size", batch_size)
+        _check_elements(f"`batch_size`={batch_size}", {
+            "recurrent_state [batch_size, HV, K, V]": (batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim),
+            "conv_state windows [batch_size, D, W]": (batch_size, max(self.key_dim, self.value_dim), self.conv_size)})
         if dtype is None:
             dtype = self.param_dtype if self.dtype is None else self.dtype
         _check_float_dtype("dtype", dtype)

@@ -218,7 +218,8 @@ def check_bool(fn: str, name: str, value) -> bool:
 
 
 def check_positive_int(fn: str, name: str, value) -> int:
-    """``value`` as a Python int: a Python or numpy integer >= 1 (bool refused); ``TypeError`` / ``ValueError``."""
+    """``value`` as a Python int: a Python or numpy integer in [1, 2**63 - 1] (bool refused); ``TypeError`` /
+    ``ValueError``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{fn}: `{name}` must be a positive int (a Python or NumPy integer, not a bool), "
                         f"got {type(value).__name__} {value!r}")

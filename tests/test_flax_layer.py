@@ -440,15 +440,24 @@ _BAD_CALLS = [  # (id, call(layer), exception, argument named in the message)
     ("cache-conv-None", lambda m: m(_X, cache=_swap_cache(m, conv_state=None)), ValueError, "cache.conv_state"),
     ("x-nan", lambda m: m(_X.at[1, 3, 4].set(jnp.nan)), ValueError, "x"),
     ("x-inf-numpy", lambda m: m(np.asarray(_X.at[0, 0, 0].set(-jnp.inf))), ValueError, "x"),
-    ("mode-array", lambda m: _small(mode=np.array(["chunk"])), ValueError, "mode"),
-    ("gate_activation-array", lambda m: _small(gate_activation=np.array(["silu"])), ValueError, "gate_activation"),
-    ("gate_activation-array2", lambda m: _small(gate_activation=np.array(["silu", "x"])), ValueError,
+    ("mode-array", lambda m: _small(mode=np.array(["chunk"])), TypeError, "mode"),
+    ("gate_activation-array", lambda m: _small(gate_activation=np.array(["silu"])), TypeError, "gate_activation"),
+    ("gate_activation-array2", lambda m: _small(gate_activation=np.array(["silu", "x"])), TypeError,
      "gate_activation"),
-    ("gate_activation-int", lambda m: _small(gate_activation=1), ValueError, "gate_activation"),
+    ("gate_activation-int", lambda m: _small(gate_activation=1), TypeError, "gate_activation"),
     ("train_mode-bad", lambda m: _small(train_mode="recurrent"), ValueError, "train_mode"),
     ("hidden_size-str", lambda m: GatedDeltaNet2("a", rngs=nnx.Rngs(0)), TypeError, "hidden_size"),
     ("hidden_size-huge", lambda m: GatedDeltaNet2(10**30, rngs=nnx.Rngs(0)), ValueError, "hidden_size"),  # (MLIR)
     ("conv_size-2**63", lambda m: _small(conv_size=2**63), ValueError, "conv_size"),
+    # sizes within int64 whose products overflowed inside XLA (a process abort) or MLIR, or broke the random init
+    ("hidden_size-2**59", lambda m: GatedDeltaNet2(2**59, head_dim=8, num_heads=2, rngs=nnx.Rngs(0)), ValueError,
+     "hidden_size"),
+    ("hidden_size-int64-max", lambda m: GatedDeltaNet2(2**63 - 1, head_dim=8, num_heads=2, rngs=nnx.Rngs(0)),
+     ValueError, "hidden_size"),
+    ("num_heads-2**61", lambda m: GatedDeltaNet2(16, head_dim=8, num_heads=2**61, rngs=nnx.Rngs(0)), ValueError,
+     "num_heads"),
+    ("conv_size-2**59", lambda m: _small(conv_size=2**59), ValueError, "conv_size"),
+    ("batch_size-2**62", lambda m: m.init_cache(2**62), ValueError, "batch_size"),
     ("hidden_size-float", lambda m: GatedDeltaNet2(32.0, rngs=nnx.Rngs(0)), TypeError, "hidden_size"),
     ("conv_size-float", lambda m: _small(conv_size=2.5), TypeError, "conv_size"),
     ("num_heads-bool", lambda m: GatedDeltaNet2(D_MODEL, num_heads=True, rngs=nnx.Rngs(0)), TypeError, "num_heads"),
@@ -532,19 +541,22 @@ def test_unavailable_tilelang_backend_raises_before_computing(deterministic, arg
 
 
 @pytest.mark.parametrize("arg", ["backend", "train_backend"])
-@pytest.mark.parametrize("bad", ["cuda", None, 1])
-def test_bad_backend_names_the_argument(arg, bad):
-    with pytest.raises(ValueError, match=re.escape(f"`{arg}`")):
+@pytest.mark.parametrize("bad,exc", [("cuda", ValueError), (None, TypeError), (1, TypeError)])
+def test_bad_backend_names_the_argument(arg, bad, exc):
+    """An unknown name is a ValueError, a non-str a TypeError (as the ops' `backend`)."""
+    with pytest.raises(exc, match=re.escape(f"`{arg}`")):
         _small(**{arg: bad})
 
 
-@pytest.mark.parametrize("activation", [np.array(["silu"]), np.array(["silu", "x"]), 1, "relu"])
-def test_submodule_activation_must_be_an_option_string(activation):
-    """An array holding 'silu' compared equal through `in` and was stored as the activation; now a ValueError."""
+@pytest.mark.parametrize("activation,exc", [(np.array(["silu"]), TypeError), (np.array(["silu", "x"]), TypeError),
+                                            (1, TypeError), ("relu", ValueError)])
+def test_submodule_activation_must_be_an_option_string(activation, exc):
+    """An array holding 'silu' compared equal through `in` and was stored as the activation; now a TypeError
+    (a non-str) or ValueError (an unknown str), as for the ops' `backend`."""
     from flax_layers import GatedRMSNorm, ShortConvolution
-    with pytest.raises(ValueError, match="GatedRMSNorm: `activation`"):
+    with pytest.raises(exc, match="GatedRMSNorm: `activation`"):
         GatedRMSNorm(8, activation=activation)
-    with pytest.raises(ValueError, match="ShortConvolution: `activation`"):
+    with pytest.raises(exc, match="ShortConvolution: `activation`"):
         ShortConvolution(8, activation=activation, rngs=nnx.Rngs(0))
     assert GatedRMSNorm(8, activation="sigmoid").activation == "sigmoid"
     assert ShortConvolution(8, activation=None, rngs=nnx.Rngs(0)).activation is None
