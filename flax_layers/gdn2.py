@@ -27,8 +27,8 @@ import numpy as np
 from flax import nnx
 
 from gdn2_jax import backends, chunk_gdn2, fused_recurrent_gdn2
-from gdn2_jax.validation import (check_cu_seqlens, check_f32_normal, check_positive_float, check_positive_int,
-                                 concrete_all)
+from gdn2_jax.validation import (check_bool, check_cu_seqlens, check_f32_normal, check_positive_float,
+                                 check_positive_int, concrete_all)
 from gdn2_jax.xla import sequence_ids
 
 __all__ = ["GatedDeltaNet2", "GDN2Cache", "ShortConvolution", "GatedRMSNorm", "nvlabs_kernel_init"]
@@ -71,12 +71,12 @@ def _check_int(name, value):
 MAX_ARRAY_ELEMENTS = 2**56
 
 
-def _check_elements(sizes: str, arrays: dict) -> None:
+def _check_elements(sizes: str, arrays: dict, owner: str = _FN) -> None:
     """ValueError naming ``sizes`` if any of ``arrays`` (name -> shape) would hold more than MAX_ARRAY_ELEMENTS."""
     for what, shape in arrays.items():
         n = math.prod(shape)
         if n > MAX_ARRAY_ELEMENTS:
-            raise ValueError(f"{_FN}: {sizes} give the {what} {n} elements, more than the {MAX_ARRAY_ELEMENTS} "
+            raise ValueError(f"{owner}: {sizes} give the {what} {n} elements, more than the {MAX_ARRAY_ELEMENTS} "
                              "(2**56) any array of the layer may have")
 
 
@@ -146,16 +146,28 @@ class ShortConvolution(nnx.Module):
       features: channels D.
       kernel_size: window W (default 4).
       use_bias: add a per-channel bias (default False, as in both reference layers).
-      activation: ``"silu"`` (default) or None.
+      activation: ``"silu"`` (default; ``"swish"`` is the same) or None.
       param_dtype: dtype of ``kernel`` ``[W, D]`` (and ``bias`` ``[D]``).
       kernel_init: default PyTorch's Conv1d init ``U(-1/sqrt(W), 1/sqrt(W))``.
+
+    Raises:
+      TypeError: ``features`` / ``kernel_size`` not Python or NumPy ints (bools refused), ``use_bias`` not a bool,
+        ``activation`` neither a str nor None.
+      ValueError: ``features`` / ``kernel_size`` < 1 or a kernel of more than 2**56 elements, an unknown
+        ``activation``.
     """
 
     def __init__(self, features: int, kernel_size: int = 4, *, use_bias: bool = False,
                  activation: str | None = "silu", param_dtype=jnp.float32, kernel_init=None,
                  sharding=None, rngs: nnx.Rngs):
+        own = "ShortConvolution"
+        features, kernel_size = (check_positive_int(own, n, v) for n, v in (("features", features),
+                                                                             ("kernel_size", kernel_size)))
+        _check_elements(f"`features`={features}, `kernel_size`={kernel_size}", {"kernel": (kernel_size, features)},
+                        own)
+        use_bias = check_bool(own, "use_bias", use_bias)
         if activation is not None:
-            _check_option("ShortConvolution", "activation", activation, ("silu", "swish"), " or None")
+            _check_option(own, "activation", activation, ("silu", "swish"), " or None")
         init = _torch_conv_init if kernel_init is None else kernel_init
         self.kernel = nnx.Param(init(rngs.params(), (kernel_size, features), param_dtype),
                                 **_meta(sharding, None, "heads"))
@@ -239,10 +251,18 @@ class GatedRMSNorm(nnx.Module):
 
     ``act`` is SiLU (``"silu"``/``"swish"``; NVlabs ``FusedRMSNormSwishGate``, the paper) or ``"sigmoid"``
     (FLA's GDN-2 layer). ``rms = sqrt(mean(x^2) + eps)``. Returns x's dtype.
+
+    Raises:
+      TypeError: ``features`` not a Python or NumPy int, ``eps`` not a real number, ``activation`` not a str.
+      ValueError: ``features`` < 1 (or above 2**56), ``eps`` outside float32's normal range (a negative one gave
+        NaN), an unknown ``activation``.
     """
 
     def __init__(self, features: int, *, eps: float = 1e-5, activation: str = "silu", param_dtype=jnp.float32,
                  sharding=None):
+        features = check_positive_int("GatedRMSNorm", "features", features)
+        _check_elements(f"`features`={features}", {"scale": (features,)}, "GatedRMSNorm")
+        eps = check_f32_normal("GatedRMSNorm", "eps", eps)
         _check_option("GatedRMSNorm", "activation", activation, GATE_ACTIVATIONS)
         self.scale = nnx.Param(jnp.ones((features,), param_dtype), **_meta(sharding, None))
         self.eps = eps

@@ -213,7 +213,7 @@ def check_bool(fn: str, name: str, value) -> bool:
         hint = (" (a traced value: under jax.jit pass it as a static argument, e.g. static_argnames, as a Python "
                 "bool: a static argument must be hashable, which an array is not)"
                 if isinstance(value, jax.core.Tracer) else "")
-        raise TypeError(f"{fn}: `{name}` must be a Python bool, got {type(value).__name__}{hint}")
+        raise TypeError(f"{fn}: `{name}` must be a bool (Python or NumPy), got {type(value).__name__}{hint}")
     return bool(value)
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_layers import (GatedDeltaNet2, GDN2Cache, cache_from_fla, cache_to_fla, from_fla_state_dict,
-                         load_fla_state_dict, to_fla_state_dict)
+from flax_layers import (GatedDeltaNet2, GatedRMSNorm, GDN2Cache, ShortConvolution, cache_from_fla, cache_to_fla,
+                         from_fla_state_dict, load_fla_state_dict, to_fla_state_dict)
 from gdn2_jax import backends, naive_recurrent_gdn2
 
 D_MODEL, HEAD_DIM, H = 24, 8, 2
@@ -553,10 +553,26 @@ def test_bad_backend_names_the_argument(arg, bad, exc):
 def test_submodule_activation_must_be_an_option_string(activation, exc):
     """An array holding 'silu' compared equal through `in` and was stored as the activation; now a TypeError
     (a non-str) or ValueError (an unknown str), as for the ops' `backend`."""
-    from flax_layers import GatedRMSNorm, ShortConvolution
     with pytest.raises(exc, match="GatedRMSNorm: `activation`"):
         GatedRMSNorm(8, activation=activation)
     with pytest.raises(exc, match="ShortConvolution: `activation`"):
         ShortConvolution(8, activation=activation, rngs=nnx.Rngs(0))
     assert GatedRMSNorm(8, activation="sigmoid").activation == "sigmoid"
     assert ShortConvolution(8, activation=None, rngs=nnx.Rngs(0)).activation is None
+
+
+@pytest.mark.parametrize("build,exc,name", [
+    (lambda: ShortConvolution(-1, rngs=nnx.Rngs(0)), ValueError, "features"),  # (MLIR)
+    (lambda: ShortConvolution(8, 0, rngs=nnx.Rngs(0)), ValueError, "kernel_size"),
+    (lambda: ShortConvolution(8, 2.0, rngs=nnx.Rngs(0)), TypeError, "kernel_size"),
+    (lambda: ShortConvolution(2**40, 2**40, rngs=nnx.Rngs(0)), ValueError, "kernel_size"),
+    (lambda: ShortConvolution(8, use_bias="no", rngs=nnx.Rngs(0)), TypeError, "use_bias"),
+    (lambda: GatedRMSNorm(-2), ValueError, "features"),
+    (lambda: GatedRMSNorm(4, eps=-1.0), ValueError, "eps"),  # (NaN before)
+    (lambda: GatedRMSNorm(4, eps="1e-5"), TypeError, "eps"),
+])
+def test_submodules_check_their_sizes(build, exc, name):
+    """The public submodules, built directly, name a bad size / eps / flag (they failed in MLIR, with a
+    ZeroDivisionError, took 'no' as True, or gave NaN for a negative eps)."""
+    with pytest.raises(exc, match=re.escape(f"`{name}`")):
+        build()
