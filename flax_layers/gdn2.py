@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from gdn2_jax import backends, chunk_gdn2, fused_recurrent_gdn2
-from gdn2_jax.validation import (check_bool, check_cu_seqlens, check_f32_normal, check_positive_float,
+from gdn2_jax.validation import (check_bool, check_cu_seqlens, check_f32_normal, check_option, check_positive_float,
                                  check_positive_int, concrete_all)
 from gdn2_jax.xla import sequence_ids
 
@@ -80,21 +80,9 @@ def _check_elements(sizes: str, arrays: dict, owner: str = _FN) -> None:
                              "(2**56) any array of the layer may have")
 
 
-def _check_option(owner: str, name: str, value, choices: tuple, also: str = "") -> None:
-    """An option string: ``TypeError`` if not a str (an array holding 'silu' passed ``in`` and was stored),
-    ``ValueError`` if not one of ``choices`` (as the ops' ``backend`` check)."""
-    if not isinstance(value, str):
-        raise TypeError(f"{owner}: `{name}` must be a str, one of {choices}{also}, got {type(value).__name__} "
-                        f"{value!r}")
-    if value not in choices:
-        raise ValueError(f"{owner}: `{name}` must be one of {choices}{also}, got {value!r}")
-
-
 def _check_bool(name, value):
     """Python bool or numpy bool_ (strings, ints, None refused: they would be read as truthy/falsy)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{_FN}: `{name}` must be a bool (True or False), got {type(value).__name__} {value!r}")
-    return bool(value)
+    return check_bool(_FN, name, value)
 
 
 def _check_float_dtype(name, value):
@@ -167,7 +155,7 @@ class ShortConvolution(nnx.Module):
                         own)
         use_bias = check_bool(own, "use_bias", use_bias)
         if activation is not None:
-            _check_option(own, "activation", activation, ("silu", "swish"), " or None")
+            check_option(own, "activation", activation, ("silu", "swish"), " or None")
         init = _torch_conv_init if kernel_init is None else kernel_init
         self.kernel = nnx.Param(init(rngs.params(), (kernel_size, features), param_dtype),
                                 **_meta(sharding, None, "heads"))
@@ -263,7 +251,7 @@ class GatedRMSNorm(nnx.Module):
         features = check_positive_int("GatedRMSNorm", "features", features)
         _check_elements(f"`features`={features}", {"scale": (features,)}, "GatedRMSNorm")
         eps = check_f32_normal("GatedRMSNorm", "eps", eps)
-        _check_option("GatedRMSNorm", "activation", activation, GATE_ACTIVATIONS)
+        check_option("GatedRMSNorm", "activation", activation, GATE_ACTIVATIONS)
         self.scale = nnx.Param(jnp.ones((features,), param_dtype), **_meta(sharding, None))
         self.eps = eps
         self.activation = activation
@@ -389,11 +377,11 @@ class GatedDeltaNet2(nnx.Module):
                              "is not a positive integer")
         if num_v_heads < num_heads or num_v_heads % num_heads:
             raise ValueError(f"GatedDeltaNet2: `num_v_heads`={num_v_heads} must be a multiple of num_heads={num_heads}")
-        _check_option(_FN, "gate_activation", gate_activation, GATE_ACTIVATIONS)
+        check_option(_FN, "gate_activation", gate_activation, GATE_ACTIVATIONS)
         for name, md in (("mode", mode), ("train_mode", train_mode)):
-            _check_option(_FN, name, md, ("chunk", "fused_recurrent"))
+            check_option(_FN, name, md, ("chunk", "fused_recurrent"))
         for name, be in (("backend", backend), ("train_backend", train_backend)):
-            _check_option(_FN, name, be, backends.BACKENDS)
+            check_option(_FN, name, be, backends.BACKENDS)
 
         dk, dv = num_heads * head_dim, num_v_heads * head_v_dim
         _check_elements(f"`hidden_size`={hidden_size}, `head_dim`={head_dim}, `num_heads`={num_heads}, "
@@ -409,8 +397,7 @@ class GatedDeltaNet2(nnx.Module):
         self.num_heads = num_heads
         self.num_v_heads = num_v_heads
         self.expand_v = expand_v
-        self.key_dim = num_heads * head_dim
-        self.value_dim = num_v_heads * head_v_dim
+        self.key_dim, self.value_dim = dk, dv
         self.use_short_conv = use_short_conv
         self.conv_size = conv_size
         self.conv_bias = conv_bias
@@ -427,7 +414,7 @@ class GatedDeltaNet2(nnx.Module):
 
         kinit = nvlabs_kernel_init if kernel_init is None else kernel_init
         lin = dict(sharding=sharding, kernel_init=kinit, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        d, dk, dv, r = hidden_size, self.key_dim, self.value_dim, head_v_dim
+        d, r = hidden_size, head_v_dim
         self.q_proj = _linear(d, dk, axes=("embed", "heads"), **lin)
         self.k_proj = _linear(d, dk, axes=("embed", "heads"), **lin)
         self.v_proj = _linear(d, dv, axes=("embed", "heads"), **lin)

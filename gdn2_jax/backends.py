@@ -13,6 +13,8 @@ import jax
 
 from kernels import registry
 
+from .validation import check_option
+
 __all__ = ["BACKENDS", "check_backend", "resolve", "tilelang_available", "tilelang_unavailable_reason",
            "cuda_extra_installed", "cuda_capability", "tilelang_supported_device"]
 
@@ -67,10 +69,7 @@ def tilelang_available(op: str) -> bool:
 
 def check_backend(backend: str, op: str) -> None:
     """Raise ``TypeError`` / ``ValueError`` naming ``backend`` unless it is one of :data:`BACKENDS`."""
-    if not isinstance(backend, str):
-        raise TypeError(f"{op}: `backend` must be a str, one of {BACKENDS}, got {type(backend).__name__}")
-    if backend not in BACKENDS:
-        raise ValueError(f"{op}: `backend` must be one of {BACKENDS}, got {backend!r}")
+    check_option(op, "backend", backend, BACKENDS)
 
 
 def resolve(backend: str, op: str) -> str:

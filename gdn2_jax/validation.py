@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["Dims", "Problem", "check_inputs", "check_cu_seqlens", "check_state_pool", "canonical_slots", "check_bool",
-           "check_positive_int", "check_positive_float", "check_f32_normal", "check_finite_gates", "concrete_all",
+           "check_option", "check_positive_int", "check_positive_float", "check_f32_normal", "check_finite_gates", "concrete_all",
            "traced_cu_seqlens_valid", "traced_state_pool_valid", "run_poisoned"]
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
@@ -207,12 +207,24 @@ def check_cu_seqlens(fn: str, cu_seqlens, B: int, T: int) -> int:
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
+def check_option(fn: str, name: str, value, choices: tuple, also: str = "") -> str:
+    """``value``, an option string: ``TypeError`` naming ``name`` if it is not a str (an array holding a valid name
+    passes an ``in`` test), ``ValueError`` if it is not one of ``choices`` (``also``: other values the caller
+    takes, for the message)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{fn}: `{name}` must be a str, one of {choices}{also}, got {type(value).__name__} "
+                        f"{value!r}")
+    if value not in choices:
+        raise ValueError(f"{fn}: `{name}` must be one of {choices}{also}, got {value!r}")
+    return value
+
+
 def check_bool(fn: str, name: str, value) -> bool:
     """``value`` as a Python bool (numpy bool accepted); ``TypeError`` naming ``name`` otherwise."""
     if not isinstance(value, (bool, np.bool_)):
         hint = (" (a traced value: under jax.jit pass it as a static argument, e.g. static_argnames, as a Python "
                 "bool: a static argument must be hashable, which an array is not)"
-                if isinstance(value, jax.core.Tracer) else "")
+                if isinstance(value, jax.core.Tracer) else f" {value!r}")
         raise TypeError(f"{fn}: `{name}` must be a bool (Python or NumPy), got {type(value).__name__}{hint}")
     return bool(value)
 
