@@ -155,7 +155,7 @@ class ShortConvolution(nnx.Module):
                         own)
         use_bias = check_bool(own, "use_bias", use_bias)
         if activation is not None:
-            check_option(own, "activation", activation, ("silu", "swish"), " or None")
+            activation = check_option(own, "activation", activation, ("silu", "swish"), " or None")
         init = _torch_conv_init if kernel_init is None else kernel_init
         self.kernel = nnx.Param(init(rngs.params(), (kernel_size, features), param_dtype),
                                 **_meta(sharding, None, "heads"))
@@ -251,7 +251,7 @@ class GatedRMSNorm(nnx.Module):
         features = check_positive_int("GatedRMSNorm", "features", features)
         _check_elements(f"`features`={features}", {"scale": (features,)}, "GatedRMSNorm")
         eps = check_f32_normal("GatedRMSNorm", "eps", eps)
-        check_option("GatedRMSNorm", "activation", activation, GATE_ACTIVATIONS)
+        activation = check_option("GatedRMSNorm", "activation", activation, GATE_ACTIVATIONS)
         self.scale = nnx.Param(jnp.ones((features,), param_dtype), **_meta(sharding, None))
         self.eps = eps
         self.activation = activation
@@ -377,11 +377,11 @@ class GatedDeltaNet2(nnx.Module):
                              "is not a positive integer")
         if num_v_heads < num_heads or num_v_heads % num_heads:
             raise ValueError(f"GatedDeltaNet2: `num_v_heads`={num_v_heads} must be a multiple of num_heads={num_heads}")
-        check_option(_FN, "gate_activation", gate_activation, GATE_ACTIVATIONS)
-        for name, md in (("mode", mode), ("train_mode", train_mode)):
-            check_option(_FN, name, md, ("chunk", "fused_recurrent"))
-        for name, be in (("backend", backend), ("train_backend", train_backend)):
-            check_option(_FN, name, be, backends.BACKENDS)
+        gate_activation = check_option(_FN, "gate_activation", gate_activation, GATE_ACTIVATIONS)
+        mode, train_mode = (check_option(_FN, name, md, ("chunk", "fused_recurrent"))
+                            for name, md in (("mode", mode), ("train_mode", train_mode)))
+        backend, train_backend = (check_option(_FN, name, be, backends.BACKENDS)
+                                  for name, be in (("backend", backend), ("train_backend", train_backend)))
 
         dk, dv = num_heads * head_dim, num_v_heads * head_v_dim
         _check_elements(f"`hidden_size`={hidden_size}, `head_dim`={head_dim}, `num_heads`={num_heads}, "

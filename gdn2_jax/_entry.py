@@ -60,7 +60,7 @@ def call(op: str, args: dict):
     a = dict(args)
     backend = a.pop("backend", None)
     if backend is not None:
-        backends.check_backend(backend, op)
+        backend = backends.check_backend(backend, op)
     arrays = [a.pop(n) for n in _ARRAYS]
     initial_state, cu_seqlens = a.pop("initial_state"), a.pop("cu_seqlens")
     output_final_state, use_l2 = a.pop("output_final_state"), a.pop("use_qk_l2norm_in_kernel")

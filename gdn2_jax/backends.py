@@ -67,9 +67,10 @@ def tilelang_available(op: str) -> bool:
     return tilelang_unavailable_reason(op) is None
 
 
-def check_backend(backend: str, op: str) -> None:
-    """Raise ``TypeError`` / ``ValueError`` naming ``backend`` unless it is one of :data:`BACKENDS`."""
-    check_option(op, "backend", backend, BACKENDS)
+def check_backend(backend: str, op: str) -> str:
+    """``backend`` as a plain str; raise ``TypeError`` / ``ValueError`` naming it unless it is one of
+    :data:`BACKENDS`."""
+    return check_option(op, "backend", backend, BACKENDS)
 
 
 def resolve(backend: str, op: str) -> str:
@@ -80,7 +81,7 @@ def resolve(backend: str, op: str) -> str:
     ``backend="tilelang"`` where the kernels cannot run (no kernels for ``op``, no cuda extra, or no supported
     GPU), before anything is staged.
     """
-    check_backend(backend, op)
+    backend = check_backend(backend, op)
     if backend == "auto":
         return "tilelang" if tilelang_available(op) else "xla"
     if backend == "tilelang":

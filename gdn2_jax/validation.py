@@ -207,13 +207,24 @@ def check_cu_seqlens(fn: str, cu_seqlens, B: int, T: int) -> int:
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
+def _got(value, as_what: str) -> str:
+    """What a TypeError for an argument that must be static says it got: for a traced value, how to pass one
+    (``as_what``: the form it takes, e.g. "a Python bool"); else the value's type and repr."""
+    if not isinstance(value, jax.core.Tracer):
+        return f"{type(value).__name__} {value!r}"
+    return (f"a traced value (it must be known when the function is traced: under jax.jit pass it as a static "
+            f"argument, static_argnums / static_argnames, and as {as_what}, since a static argument must be hashable, "
+            "which an array, even a 0-d one, is not; under jax.vmap or jax.grad close over it rather than map or "
+            "differentiate it)")
+
+
 def check_option(fn: str, name: str, value, choices: tuple, also: str = "") -> str:
-    """``value``, an option string: ``TypeError`` naming ``name`` if it is not a str (an array holding a valid name
-    passes an ``in`` test), ``ValueError`` if it is not one of ``choices`` (``also``: other values the caller
-    takes, for the message)."""
+    """``value`` as a plain str, an option string: ``TypeError`` naming ``name`` if it is not a str (an array holding
+    a valid name passes an ``in`` test), ``ValueError`` if it is not one of ``choices`` (``also``: other values the
+    caller takes, for the message). A str subclass is compared and returned as its plain str value."""
     if not isinstance(value, str):
-        raise TypeError(f"{fn}: `{name}` must be a str, one of {choices}{also}, got {type(value).__name__} "
-                        f"{value!r}")
+        raise TypeError(f"{fn}: `{name}` must be a str, one of {choices}{also}, got {_got(value, 'a Python str')}")
+    value = str.__str__(value)  # (a plain str: a subclass's own __eq__ / __hash__ decide neither the test nor a jit key)
     if value not in choices:
         raise ValueError(f"{fn}: `{name}` must be one of {choices}{also}, got {value!r}")
     return value
@@ -222,10 +233,8 @@ def check_option(fn: str, name: str, value, choices: tuple, also: str = "") -> s
 def check_bool(fn: str, name: str, value) -> bool:
     """``value`` as a Python bool (numpy bool accepted); ``TypeError`` naming ``name`` otherwise."""
     if not isinstance(value, (bool, np.bool_)):
-        hint = (" (a traced value: under jax.jit pass it as a static argument, e.g. static_argnames, as a Python "
-                "bool: a static argument must be hashable, which an array is not)"
-                if isinstance(value, jax.core.Tracer) else f" {value!r}")
-        raise TypeError(f"{fn}: `{name}` must be a bool (Python or NumPy), got {type(value).__name__}{hint}")
+        raise TypeError(f"{fn}: `{name}` must be a bool (Python or NumPy), got "
+                        f"{_got(value, 'a Python bool')}")
     return bool(value)
 
 
@@ -234,7 +243,7 @@ def check_positive_int(fn: str, name: str, value) -> int:
     ``ValueError``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{fn}: `{name}` must be a positive int (a Python or NumPy integer, not a bool), "
-                        f"got {type(value).__name__} {value!r}")
+                        f"got {_got(value, 'a Python int')}")
     if value < 1:
         raise ValueError(f"{fn}: `{name}` must be a positive int (>= 1), got {value!r}")
     if value > _INT64_MAX:  # (a size no array can have; 10**30 failed inside MLIR)
@@ -246,9 +255,8 @@ def check_positive_float(fn: str, name: str, value) -> float:
     """``value`` as a Python float: a static real number (a Python or NumPy int or float, or a 0-d integer or
     floating-point array; not bool), finite and > 0 (TypeError / ValueError)."""
     if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"{fn}: `{name}` must be a static real number, got a traced value "
-                        "(under jax.jit pass it as a static argument, e.g. static_argnames, and as a number such as "
-                        "float(x): a static argument must be hashable, which an array, even a 0-d one, is not)")
+        raise TypeError(f"{fn}: `{name}` must be a static real number, got "
+                        f"{_got(value, 'a number such as float(x)')}")
     is_real_array = (isinstance(value, (np.ndarray, jax.Array)) and value.shape == ()
                      and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)))
     # (numpy's timedelta64 is a subclass of np.signedinteger: refused as a duration, not a number)
@@ -256,7 +264,7 @@ def check_positive_float(fn: str, name: str, value) -> float:
     if (isinstance(value, (bool, np.bool_)) or is_timedelta
             or not (isinstance(value, (int, float, np.integer, np.floating)) or is_real_array)):
         raise TypeError(f"{fn}: `{name}` must be a real number (a Python or NumPy int or float, or a 0-d integer or "
-                        f"floating-point array), got {type(value).__name__} {value!r}")
+                        f"floating-point array), got {_got(value, 'a number')}")
     try:
         as_float = float(value)
     except OverflowError:  # (a Python int beyond float's range)

@@ -35,9 +35,9 @@ __all__ = ["BACKWARD", "FORWARD"]
 #: (``docs/performance-notes.md``): 17-21% off the B = 1 shapes' latency-bound state pass on an H100, the
 #: two-warpgroup pass of the batched shapes unchanged.
 #: ``intra_heads_first``: launch 1's grid walks the value heads first, so that the blocks that run together read
-#: and write whole token rows (bit-identical results). Session 32 (``docs/performance-notes.md``, call H): the
-#: intra launch 5.3-7.0% faster at the batched H = 32 shapes and 3.8-4.4% at H = 16 on an H100 (B16 T1024 H32:
-#: 0.682 -> 0.645 ms).
+#: and write whole token rows (bit-identical results). Session 32 (``docs/performance-notes.md``; call H for H = 32,
+#: call G for H = 16): the intra launch 5.3-7.0% faster at the batched H = 32 shapes and 3.8-4.4% at H = 16 on an
+#: H100 (B16 T1024 H32: 0.682 -> 0.645 ms).
 FORWARD = dict(intra_prefetch=True, z_split=True, intra_ftz=True, blocked_solve=True, fused_slice=True,
                warp_tiles=True, smem_epilogue=True, g_first=True, state_async=True, intra_heads_first=True)
 

@@ -561,6 +561,47 @@ def test_submodule_activation_must_be_an_option_string(activation, exc):
     assert ShortConvolution(8, activation=None, rngs=nnx.Rngs(0)).activation is None
 
 
+class _EqualsAnything(str):
+    """A str subclass whose ``==`` claims equality with anything."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = str.__hash__
+
+
+@pytest.mark.parametrize("arg", ["gate_activation", "mode", "train_mode", "backend", "train_backend"])
+def test_layer_options_are_judged_and_stored_as_plain_str(arg):
+    """A str subclass claiming equality with every option passed the check and was stored as given (so a later
+    ``== "chunk"`` test would take its word); its plain value is checked and a NumPy str is stored as a str."""
+    with pytest.raises(ValueError, match=re.escape(f"`{arg}` must be one of")):
+        _small(**{arg: _EqualsAnything("bogus")})
+    good = {"gate_activation": "sigmoid", "mode": "fused_recurrent", "train_mode": "fused_recurrent",
+            "backend": "xla", "train_backend": "xla"}[arg]
+    layer = _small(**{arg: np.str_(good)})
+    assert type(getattr(layer, arg)) is str and getattr(layer, arg) == good
+    if arg == "gate_activation":
+        assert type(layer.o_norm.activation) is str
+    with pytest.raises(ValueError, match="GatedRMSNorm: `activation`"):
+        GatedRMSNorm(8, activation=_EqualsAnything("relu"))
+    with pytest.raises(ValueError, match="ShortConvolution: `activation`"):
+        ShortConvolution(8, activation=_EqualsAnything("relu"), rngs=nnx.Rngs(0))
+
+
+def test_traced_deterministic_gets_the_static_argument_hint():
+    """``deterministic`` traced (passed through ``jax.jit`` as an array) names the argument and says how to pass it."""
+    layer = _small()
+    graphdef, state = nnx.split(layer)
+
+    def f(state, x, det):
+        return nnx.merge(graphdef, state)(x, deterministic=det)[0]
+
+    with pytest.raises(TypeError, match="`deterministic` must be a bool") as excinfo:
+        jax.jit(f)(state, _X, True)
+    msg = str(excinfo.value)
+    assert "got a traced value" in msg and "static_argnums / static_argnames" in msg and "a Python bool" in msg, msg
+
+
 @pytest.mark.parametrize("build,exc,name", [
     (lambda: ShortConvolution(-1, rngs=nnx.Rngs(0)), ValueError, "features"),  # (MLIR)
     (lambda: ShortConvolution(8, 0, rngs=nnx.Rngs(0)), ValueError, "kernel_size"),

@@ -286,6 +286,65 @@ def test_scale_type_error_says_what_is_accepted(fn_name):
     assert "hashable" in str(excinfo.value)  # (a 0-d array through static_argnames is refused as unhashable)
 
 
+class _EqualsAnything(str):
+    """A str subclass whose ``==`` and ``__str__`` lie: an option check must judge its plain str value."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = str.__hash__
+
+    def __str__(self):
+        return "xla"
+
+
+@pytest.mark.parametrize("fn_name", PUBLIC_OPS)
+def test_backend_is_judged_and_used_as_its_plain_str(fn_name):
+    """A str subclass claiming equality with every option passed the ``in`` test (and would have compared equal to
+    "auto" when the backend is resolved); its plain value is what is checked now. A NumPy str is a str: taken."""
+    pos = _rng_inputs()
+    with pytest.raises(ValueError, match="`backend` must be one of") as excinfo:
+        _call(fn_name, pos, dict(backend=_EqualsAnything("bogus")))
+    _assert_names(excinfo, fn_name, "backend")
+    assert "'bogus'" in str(excinfo.value)
+    o_np, _ = _call(fn_name, pos, dict(backend=np.str_("xla")))
+    o_py, _ = _call(fn_name, pos, dict(backend="xla"))
+    np.testing.assert_array_equal(np.asarray(o_np), np.asarray(o_py))
+
+
+def test_option_check_returns_a_plain_str():
+    from gdn2_jax.validation import check_option
+    for value in (np.str_("xla"), _EqualsAnything("xla"), "xla"):
+        got = check_option("f", "backend", value, ("auto", "xla"))
+        assert type(got) is str and got == "xla"
+
+
+_STATIC_HINT = ("it must be known when the function is traced: under jax.jit pass it as a static argument, "
+                "static_argnums / static_argnames")
+
+
+@pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
+def test_traced_static_arguments_get_the_static_argument_hint(transform):
+    """A traced ``chunk_size`` (naive_chunk_gdn2) and ``scale`` name the argument and say how to pass a static
+    value, and the hint names jit, vmap and grad alike (it said "under jax.jit" only; chunk_size had none)."""
+    pos = _rng_inputs()
+    cases = [("naive_chunk_gdn2", "chunk_size", 4, "a Python int"),
+             ("chunk_gdn2", "scale", 0.5, "a number such as float(x)")]
+    for fn_name, arg, value, as_what in cases:
+        def f(x):
+            o, _ = _call(fn_name, pos, {arg: x})
+            return o.sum()
+        run = {"jit": jax.jit(f), "vmap": jax.vmap(f), "grad": jax.grad(f)}[transform]
+        x = (np.asarray([value] * 2) if transform == "vmap" else
+             float(value) if transform == "grad" else value)
+        with pytest.raises(TypeError) as excinfo:
+            run(x)
+        _assert_names(excinfo, fn_name, arg)
+        msg = str(excinfo.value)
+        assert "got a traced value" in msg and _STATIC_HINT in msg and f"as {as_what}" in msg, msg
+        assert "under jax.vmap or jax.grad close over it" in msg and "hashable" in msg, msg
+
+
 def test_concrete_only_checks_are_skipped_for_traced_cu_seqlens():
     # Under jit the values of cu_seqlens are unknown: the call must trace (shapes are fine), which shows the
     # value checks above are skipped, not silently applied to garbage.
