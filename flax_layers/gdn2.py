@@ -34,6 +34,7 @@ from gdn2_jax.xla import sequence_ids
 __all__ = ["GatedDeltaNet2", "GDN2Cache", "ShortConvolution", "GatedRMSNorm", "nvlabs_kernel_init"]
 
 GATE_ACTIVATIONS = ("silu", "swish", "sigmoid")
+MODES = ("chunk", "fused_recurrent")  # (the layer's `mode` / `train_mode`)
 
 # NVlabs initialises every Linear with Xavier-uniform, gain 2**-2.5, and zero biases:
 # variance_scaling(gain**2, fan_avg, uniform) has limit gain * sqrt(6 / (fan_in + fan_out)).
@@ -177,6 +178,8 @@ class ShortConvolution(nnx.Module):
         ``lengths[b]`` tokens of row b are real (the window ends there; later outputs are don't-care).
         ``cu_seqlens`` ``[N + 1]`` (B == 1): packed sequences, each with its own window, reset at every start.
         """
+        if self.activation is not None:  # (checked again here: the attribute may have been reassigned)
+            check_option("ShortConvolution", "activation", self.activation, ("silu", "swish"), " or None")
         W = self.kernel_size
         kernel = self.kernel[...].astype(jnp.float32)
         xf = x.astype(jnp.float32)
@@ -257,11 +260,14 @@ class GatedRMSNorm(nnx.Module):
         self.activation = activation
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        # (checked again here: the attributes may have been reassigned)
+        eps = check_f32_normal("GatedRMSNorm", "eps", self.eps)
+        activation = check_option("GatedRMSNorm", "activation", self.activation, GATE_ACTIVATIONS)
         xf = x.astype(jnp.float32)
         gf = gate.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
         y = y * self.scale[...].astype(jnp.float32)
-        y = y * (jax.nn.sigmoid(gf) if self.activation == "sigmoid" else jax.nn.silu(gf))
+        y = y * (jax.nn.sigmoid(gf) if activation == "sigmoid" else jax.nn.silu(gf))
         return y.astype(x.dtype)
 
 
@@ -378,7 +384,7 @@ class GatedDeltaNet2(nnx.Module):
         if num_v_heads < num_heads or num_v_heads % num_heads:
             raise ValueError(f"GatedDeltaNet2: `num_v_heads`={num_v_heads} must be a multiple of num_heads={num_heads}")
         gate_activation = check_option(_FN, "gate_activation", gate_activation, GATE_ACTIVATIONS)
-        mode, train_mode = (check_option(_FN, name, md, ("chunk", "fused_recurrent"))
+        mode, train_mode = (check_option(_FN, name, md, MODES)
                             for name, md in (("mode", mode), ("train_mode", train_mode)))
         backend, train_backend = (check_option(_FN, name, be, backends.BACKENDS)
                                   for name, be in (("backend", backend), ("train_backend", train_backend)))
@@ -402,8 +408,6 @@ class GatedDeltaNet2(nnx.Module):
         self.conv_size = conv_size
         self.conv_bias = conv_bias
         self.allow_neg_eigval = allow_neg_eigval
-        self.norm_eps = norm_eps
-        self.gate_activation = gate_activation
         self.mode = mode
         self.train_mode = train_mode
         self.backend = backend
@@ -443,6 +447,27 @@ class GatedDeltaNet2(nnx.Module):
         self.o_proj = _linear(dv, d, axes=("heads", "embed"), **lin)
 
     # ------------------------------------------------------------------------------------------------------
+    @property
+    def gate_activation(self) -> str:
+        """The output gate's activation, one of ``"silu"``, ``"swish"`` (the same) or ``"sigmoid"``: that of
+        ``o_norm``, which applies it, so that assigning it after construction changes what the layer computes (the
+        value is checked as the constructor checks it: ``TypeError`` for a non-str, ``ValueError`` otherwise)."""
+        return self.o_norm.activation
+
+    @gate_activation.setter
+    def gate_activation(self, value: str) -> None:
+        self.o_norm.activation = check_option(_FN, "gate_activation", value, GATE_ACTIVATIONS)
+
+    @property
+    def norm_eps(self) -> float:
+        """The output RMSNorm's eps: that of ``o_norm``, which applies it (assignable, checked as the constructor
+        checks it: a real number in float32's normal range)."""
+        return self.o_norm.eps
+
+    @norm_eps.setter
+    def norm_eps(self, value: float) -> None:
+        self.o_norm.eps = check_f32_normal(_FN, "norm_eps", value)
+
     def init_cache(self, batch_size: int, dtype: Any = None) -> GDN2Cache:
         """An empty cache for ``batch_size`` sequences (zeros: the state every sequence starts from).
 
@@ -518,13 +543,15 @@ class GatedDeltaNet2(nnx.Module):
           TypeError: ``x`` not a floating array (lists are refused, not converted); ``attention_mask`` not a
             bool/integer array; ``cu_seqlens`` not an integer array; ``cache`` not a :class:`GDN2Cache` or with
             a recurrent state that is not float32 (float64 under x64) or non-floating conv windows;
-            ``deterministic`` (or ``self.deterministic``) not a bool.
+            ``deterministic`` (or ``self.deterministic``) not a bool; attributes reassigned after construction:
+            the options this call uses (``self.mode`` and ``self.backend``, or ``self.train_mode`` and
+            ``self.train_backend`` when training) not strs, ``self.allow_neg_eigval`` not a bool.
           ValueError: a wrong ``x`` rank/width; a mask of the wrong shape or, when concrete, with values other
             than 0/1; ``attention_mask`` together with ``cu_seqlens``; ``cu_seqlens`` not 1-D, with B != 1 or,
             when concrete, not running from 0 to T without decreasing; a cache whose shapes do not fit this layer
             and input (the message gives the expected and actual shapes), or without conv windows on a layer
-            with short convolutions; NaN/inf in a concrete ``x``. Traced values are not inspected; under
-            ``jit`` only the shape/dtype checks run.
+            with short convolutions; NaN/inf in a concrete ``x``; an option this call uses reassigned to an unknown
+            value, or ``self.use_short_conv`` reassigned (it is fixed at construction). Traced values are not inspected; under ``jit`` only the shape/dtype checks run.
           NotImplementedError: the backend this call uses (``backend``, or ``train_backend`` when training) is
             ``"tilelang"`` and its kernels cannot run here (no cuda extra or no Hopper GPU); raised before any
             computation.
@@ -537,6 +564,16 @@ class GatedDeltaNet2(nnx.Module):
         # the ops' own checks (type, 1-D, integer, B == 1, concrete 0 <= ... <= T)
         N = B if cu_seqlens is None else check_cu_seqlens(_FN, cu_seqlens, B, T)
         det = _check_bool("deterministic", self.deterministic if deterministic is None else deterministic)
+        # the options this call uses, checked again here (as `deterministic`): they may have been reassigned
+        mode_arg, backend_arg = ("mode", "backend") if det else ("train_mode", "train_backend")
+        mode = check_option(_FN, mode_arg, getattr(self, mode_arg), MODES)
+        backend = check_option(_FN, backend_arg, getattr(self, backend_arg), backends.BACKENDS)
+        allow_neg_eigval = _check_bool("allow_neg_eigval", self.allow_neg_eigval)
+        if _check_bool("use_short_conv", self.use_short_conv) != hasattr(self, "q_conv1d"):
+            raise ValueError(f"{_FN}: `use_short_conv` cannot change after construction (the layer was built "
+                             f"{'with' if hasattr(self, 'q_conv1d') else 'without'} short convolutions)")
+        use_recurrent = (det and T <= 64) or mode == "fused_recurrent"
+        op = fused_recurrent_gdn2 if use_recurrent else chunk_gdn2
         if attention_mask is not None:
             _check_array("attention_mask", attention_mask, (B, T), "[B, T]", (jnp.bool_, jnp.integer))
             if not concrete_all(attention_mask, lambda xp, m: (m == 0) | (m == 1)):
@@ -545,13 +582,6 @@ class GatedDeltaNet2(nnx.Module):
             self._check_cache(cache, N)
         if not concrete_all(x, lambda xp, a: xp.isfinite(a)):
             raise ValueError(f"{_FN}: `x` contains NaN or inf")
-        if det:
-            use_recurrent = T <= 64 or self.mode == "fused_recurrent"
-        else:
-            use_recurrent = self.train_mode == "fused_recurrent"
-        op = fused_recurrent_gdn2 if use_recurrent else chunk_gdn2
-        backend_arg = "backend" if det else "train_backend"
-        backend = getattr(self, backend_arg)
         if backend == "tilelang":  # fail before the projections run, naming the layer's argument
             why = backends.tilelang_unavailable_reason(op.__name__)
             if why is not None:
@@ -587,7 +617,7 @@ class GatedDeltaNet2(nnx.Module):
         v = v.reshape(B, T, HV, V)
         if HV > H:  # value head j reads qk head j // (HV / H): repeat the qk-side gates over value groups
             g, b = (jnp.repeat(z, HV // H, axis=2) for z in (g, b))
-        if self.allow_neg_eigval:
+        if allow_neg_eigval:
             b = b * 2.0
         if lengths is not None:  # padded tail: exp(0) = 1, no erase, no write -> state untouched
             live = (jnp.arange(T, dtype=jnp.int32)[None, :] < lengths[:, None])[..., None, None]

@@ -215,7 +215,7 @@ def _got(value, as_what: str) -> str:
     return (f"a traced value (it must be known when the function is traced: under jax.jit pass it as a static "
             f"argument, static_argnums / static_argnames, and as {as_what}, since a static argument must be hashable, "
             "which an array, even a 0-d one, is not; under jax.vmap or jax.grad close over it rather than map or "
-            "differentiate it)")
+            "differentiate it (under vmap, in_axes=None for it also keeps it static))")
 
 
 def check_option(fn: str, name: str, value, choices: tuple, also: str = "") -> str:
@@ -224,7 +224,7 @@ def check_option(fn: str, name: str, value, choices: tuple, also: str = "") -> s
     caller takes, for the message). A str subclass is compared and returned as its plain str value."""
     if not isinstance(value, str):
         raise TypeError(f"{fn}: `{name}` must be a str, one of {choices}{also}, got {_got(value, 'a Python str')}")
-    value = str.__str__(value)  # (a plain str: a subclass's own __eq__ / __hash__ decide neither the test nor a jit key)
+    value = str.__str__(value)  # (a plain str: a subclass's __eq__ / __hash__ decide neither the test nor a jit key)
     if value not in choices:
         raise ValueError(f"{fn}: `{name}` must be one of {choices}{also}, got {value!r}")
     return value

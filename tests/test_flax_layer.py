@@ -588,6 +588,88 @@ def test_layer_options_are_judged_and_stored_as_plain_str(arg):
         ShortConvolution(8, activation=_EqualsAnything("relu"), rngs=nnx.Rngs(0))
 
 
+def test_gate_activation_assigned_later_is_what_the_layer_computes():
+    """``layer.gate_activation`` set after construction used to change the attribute only (the norm kept the old
+    activation): now it is the norm's, checked on assignment, and the layer computes what a layer built with it
+    computes."""
+    x = rand_x(40, 2, 6)
+    layer, built = make_layer(3), make_layer(3, gate_activation="sigmoid")
+    y_silu, _ = layer(x, deterministic=True)
+    layer.gate_activation = np.str_("sigmoid")
+    assert type(layer.gate_activation) is str and layer.o_norm.activation == "sigmoid"
+    y_set, _ = layer(x, deterministic=True)
+    y_built, _ = built(x, deterministic=True)
+    np.testing.assert_array_equal(np.asarray(y_set), np.asarray(y_built))
+    assert not np.allclose(np.asarray(y_set), np.asarray(y_silu))
+    for bad, exc in (("relu", ValueError), (1, TypeError), (_EqualsAnything("relu"), ValueError)):
+        with pytest.raises(exc, match=re.escape("GatedDeltaNet2: `gate_activation`")):
+            layer.gate_activation = bad
+    assert layer.gate_activation == "sigmoid"
+
+
+@pytest.mark.parametrize("arg,deterministic", [("mode", True), ("train_mode", False), ("backend", True),
+                                               ("train_backend", False)])
+@pytest.mark.parametrize("bad,exc", [("fused", ValueError), (None, TypeError)])
+def test_options_reassigned_later_are_checked_when_used(arg, deterministic, bad, exc):
+    """An option assigned after construction is checked by the call that uses it, before anything is computed
+    (``layer.mode = "fused"`` silently ran the chunk op)."""
+    layer = _small()
+    setattr(layer, arg, bad)
+
+    class Boom(nnx.Module):
+        def __call__(self, x):
+            raise AssertionError("the projections ran before the option check")
+
+    layer.q_proj = layer.f_proj = Boom()
+    with pytest.raises(exc, match=re.escape(f"GatedDeltaNet2: `{arg}`")):
+        layer(rand_x(41, 1, 70), deterministic=deterministic)
+
+
+def test_norm_eps_assigned_later_is_what_the_layer_computes():
+    """``layer.norm_eps`` was a copy: reassigning it changed nothing computed while ``fla_layer_kwargs`` reported the
+    new value. Now it is the norm's eps, checked on assignment."""
+    from flax_layers.convert import fla_layer_kwargs
+    x = rand_x(42, 2, 6)
+    layer, built = make_layer(5), make_layer(5, norm_eps=10.0)
+    y_before, _ = layer(x, deterministic=True)
+    layer.norm_eps = 10.0
+    assert layer.o_norm.eps == 10.0 and fla_layer_kwargs(layer)["norm_eps"] == 10.0
+    y_set, _ = layer(x, deterministic=True)
+    np.testing.assert_array_equal(np.asarray(y_set), np.asarray(built(x, deterministic=True)[0]))
+    assert not np.allclose(np.asarray(y_set), np.asarray(y_before))
+    for bad, exc in ((-1.0, ValueError), (1e-40, ValueError), ("1e-5", TypeError)):
+        with pytest.raises(exc, match=re.escape("GatedDeltaNet2: `norm_eps`")):
+            layer.norm_eps = bad
+    assert layer.norm_eps == 10.0
+
+
+def test_flags_reassigned_later_are_checked_when_used():
+    """``allow_neg_eigval = "False"`` (truthy) doubled b silently; ``use_short_conv`` flipped on a layer built
+    without convolutions failed with an AttributeError, and the other way skipped the convolutions."""
+    layer = _small()
+    layer.allow_neg_eigval = "False"
+    with pytest.raises(TypeError, match=re.escape("GatedDeltaNet2: `allow_neg_eigval` must be a bool")):
+        layer(_X, deterministic=True)
+    for built_with in (True, False):
+        layer = _small(use_short_conv=built_with)
+        layer.use_short_conv = not built_with
+        with pytest.raises(ValueError, match=re.escape("GatedDeltaNet2: `use_short_conv` cannot change")):
+            layer(_X, deterministic=True)
+
+
+def test_submodule_attributes_reassigned_later_are_checked_when_used():
+    norm, conv = GatedRMSNorm(8), ShortConvolution(8, rngs=nnx.Rngs(0))
+    norm.activation, conv.activation = "relu", "relu"
+    with pytest.raises(ValueError, match=re.escape("GatedRMSNorm: `activation`")):
+        norm(jnp.ones((1, 8)), jnp.ones((1, 8)))
+    with pytest.raises(ValueError, match=re.escape("ShortConvolution: `activation`")):
+        conv(jnp.ones((1, 3, 8)))
+    norm = GatedRMSNorm(8)
+    norm.eps = -1.0  # (NaN before)
+    with pytest.raises(ValueError, match=re.escape("GatedRMSNorm: `eps`")):
+        norm(jnp.ones((1, 8)), jnp.ones((1, 8)))
+
+
 def test_traced_deterministic_gets_the_static_argument_hint():
     """``deterministic`` traced (passed through ``jax.jit`` as an array) names the argument and says how to pass it."""
     layer = _small()

@@ -299,7 +299,7 @@ class _EqualsAnything(str):
 
 
 @pytest.mark.parametrize("fn_name", PUBLIC_OPS)
-def test_backend_is_judged_and_used_as_its_plain_str(fn_name):
+def test_backend_is_judged_as_its_plain_str(fn_name):
     """A str subclass claiming equality with every option passed the ``in`` test (and would have compared equal to
     "auto" when the backend is resolved); its plain value is what is checked now. A NumPy str is a str: taken."""
     pos = _rng_inputs()
