@@ -39,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .gdn2 import GatedDeltaNet2, GDN2Cache
+from gdn2_jax.validation import check_bool, check_option
+
+from .gdn2 import MODES, GatedDeltaNet2, GDN2Cache
 
 __all__ = ["to_fla_state_dict", "load_fla_state_dict", "from_fla_state_dict", "fla_layer_kwargs",
            "cache_to_fla", "cache_from_fla"]
@@ -129,10 +131,23 @@ def load_fla_state_dict(layer: GatedDeltaNet2, state_dict: Mapping[str, Any]) ->
 
 
 def fla_layer_kwargs(layer: GatedDeltaNet2) -> dict[str, Any]:
-    """Constructor arguments of FLA's ``GatedDeltaNet2`` describing the same layer as ``layer``."""
+    """Constructor arguments of FLA's ``GatedDeltaNet2`` describing the same layer as ``layer``.
+
+    Raises:
+      ValueError: ``layer.gate_activation`` is not ``"sigmoid"``: FLA's layer always gates its output with a
+        sigmoid (``fla/layers/gdn2.py``), so no FLA layer computes what a SiLU-gated layer does.
+      TypeError / ValueError: ``layer.mode`` or ``layer.allow_neg_eigval`` reassigned to a bad value (as the
+        layer's call checks them).
+    """
+    if layer.gate_activation != "sigmoid":
+        raise ValueError(f"fla_layer_kwargs: FLA's GatedDeltaNet2 gates its output with a sigmoid, so it cannot "
+                         f"describe this layer (`gate_activation`={layer.gate_activation!r}); build the layer with "
+                         "gate_activation='sigmoid' (as from_fla_state_dict does)")
+    fn = "fla_layer_kwargs"
     return dict(hidden_size=layer.hidden_size, expand_v=layer.expand_v, head_dim=layer.head_dim,
-                num_heads=layer.num_heads, num_v_heads=layer.num_v_heads, mode=layer.mode,
-                use_short_conv=layer.use_short_conv, allow_neg_eigval=layer.allow_neg_eigval,
+                num_heads=layer.num_heads, num_v_heads=layer.num_v_heads,
+                mode=check_option(fn, "layer.mode", layer.mode, MODES), use_short_conv=layer.use_short_conv,
+                allow_neg_eigval=check_bool(fn, "layer.allow_neg_eigval", layer.allow_neg_eigval),
                 conv_size=layer.conv_size, conv_bias=layer.conv_bias, norm_eps=layer.norm_eps)
 
 

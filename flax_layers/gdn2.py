@@ -144,6 +144,7 @@ class ShortConvolution(nnx.Module):
         ``activation`` neither a str nor None.
       ValueError: ``features`` / ``kernel_size`` < 1 or a kernel of more than 2**56 elements, an unknown
         ``activation``.
+      The call checks ``activation`` again (it may have been reassigned): the same errors.
     """
 
     def __init__(self, features: int, kernel_size: int = 4, *, use_bias: bool = False,
@@ -170,6 +171,11 @@ class ShortConvolution(nnx.Module):
         self.kernel_size = kernel_size
         self.activation = activation
 
+    def _check_reassignable(self) -> None:
+        """Check ``activation`` again (it may have been reassigned after construction)."""
+        if self.activation is not None:
+            check_option("ShortConvolution", "activation", self.activation, ("silu", "swish"), " or None")
+
     def __call__(self, x: jax.Array, *, cache: jax.Array | None = None, lengths: jax.Array | None = None,
                  cu_seqlens: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Convolve ``x`` ``[B, T, D]``; return ``(y [B, T, D], new_window [N, D, W])``.
@@ -178,8 +184,7 @@ class ShortConvolution(nnx.Module):
         ``lengths[b]`` tokens of row b are real (the window ends there; later outputs are don't-care).
         ``cu_seqlens`` ``[N + 1]`` (B == 1): packed sequences, each with its own window, reset at every start.
         """
-        if self.activation is not None:  # (checked again here: the attribute may have been reassigned)
-            check_option("ShortConvolution", "activation", self.activation, ("silu", "swish"), " or None")
+        self._check_reassignable()
         W = self.kernel_size
         kernel = self.kernel[...].astype(jnp.float32)
         xf = x.astype(jnp.float32)
@@ -247,6 +252,8 @@ class GatedRMSNorm(nnx.Module):
       TypeError: ``features`` not a Python or NumPy int, ``eps`` not a real number, ``activation`` not a str.
       ValueError: ``features`` < 1 (or above 2**56), ``eps`` outside float32's normal range (a negative one gave
         NaN), an unknown ``activation``.
+      The call checks ``activation`` and a Python or NumPy scalar ``eps`` again (they may have been reassigned):
+      the same errors. An ``eps`` stored as array data (e.g. ``nnx.data(jnp.float32(1e-3))``) is used as it is.
     """
 
     def __init__(self, features: int, *, eps: float = 1e-5, activation: str = "silu", param_dtype=jnp.float32,
@@ -259,10 +266,15 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
         self.activation = activation
 
+    def _check_reassignable(self) -> str:
+        """Check ``activation`` and a scalar ``eps`` again (they may have been reassigned); return the activation."""
+        if not isinstance(self.eps, (jax.Array, jax.core.Tracer, np.ndarray, nnx.Variable)):  # (data: used as it is)
+            check_f32_normal("GatedRMSNorm", "eps", self.eps)
+        return check_option("GatedRMSNorm", "activation", self.activation, GATE_ACTIVATIONS)
+
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        # (checked again here: the attributes may have been reassigned)
-        eps = check_f32_normal("GatedRMSNorm", "eps", self.eps)
-        activation = check_option("GatedRMSNorm", "activation", self.activation, GATE_ACTIVATIONS)
+        activation = self._check_reassignable()
+        eps = self.eps
         xf = x.astype(jnp.float32)
         gf = gate.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -550,8 +562,10 @@ class GatedDeltaNet2(nnx.Module):
             than 0/1; ``attention_mask`` together with ``cu_seqlens``; ``cu_seqlens`` not 1-D, with B != 1 or,
             when concrete, not running from 0 to T without decreasing; a cache whose shapes do not fit this layer
             and input (the message gives the expected and actual shapes), or without conv windows on a layer
-            with short convolutions; NaN/inf in a concrete ``x``; an option this call uses reassigned to an unknown
-            value, or ``self.use_short_conv`` reassigned (it is fixed at construction). Traced values are not inspected; under ``jit`` only the shape/dtype checks run.
+            with short convolutions; NaN/inf in a concrete ``x``; an option this call uses (or the submodules'
+            ``activation`` / ``eps``) reassigned to an unknown or invalid value, or ``self.use_short_conv``
+            reassigned (it is fixed at construction). Traced values are not inspected; under ``jit`` only the
+            shape/dtype checks run.
           NotImplementedError: the backend this call uses (``backend``, or ``train_backend`` when training) is
             ``"tilelang"`` and its kernels cannot run here (no cuda extra or no Hopper GPU); raised before any
             computation.
@@ -572,6 +586,9 @@ class GatedDeltaNet2(nnx.Module):
         if _check_bool("use_short_conv", self.use_short_conv) != hasattr(self, "q_conv1d"):
             raise ValueError(f"{_FN}: `use_short_conv` cannot change after construction (the layer was built "
                              f"{'with' if hasattr(self, 'q_conv1d') else 'without'} short convolutions)")
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.use_short_conv else ()
+        for module in (self.o_norm, *convs):  # (their own calls check again, after the projections)
+            module._check_reassignable()
         use_recurrent = (det and T <= 64) or mode == "fused_recurrent"
         op = fused_recurrent_gdn2 if use_recurrent else chunk_gdn2
         if attention_mask is not None:

@@ -607,22 +607,45 @@ def test_gate_activation_assigned_later_is_what_the_layer_computes():
     assert layer.gate_activation == "sigmoid"
 
 
+class _Boom(nnx.Module):
+    def __call__(self, x):
+        raise AssertionError("the projections ran before the check")
+
+
 @pytest.mark.parametrize("arg,deterministic", [("mode", True), ("train_mode", False), ("backend", True),
                                                ("train_backend", False)])
 @pytest.mark.parametrize("bad,exc", [("fused", ValueError), (None, TypeError)])
-def test_options_reassigned_later_are_checked_when_used(arg, deterministic, bad, exc):
-    """An option assigned after construction is checked by the call that uses it, before anything is computed
+@pytest.mark.parametrize("T", [5, 70])  # (inference takes the recurrent op at T <= 64 whatever `mode` says)
+def test_options_reassigned_later_are_checked_when_used(arg, deterministic, bad, exc, T):
+    """An option assigned after construction is checked by the call that uses it, before the projections run
     (``layer.mode = "fused"`` silently ran the chunk op)."""
     layer = _small()
     setattr(layer, arg, bad)
-
-    class Boom(nnx.Module):
-        def __call__(self, x):
-            raise AssertionError("the projections ran before the option check")
-
-    layer.q_proj = layer.f_proj = Boom()
+    layer.q_proj = layer.f_proj = _Boom()
     with pytest.raises(exc, match=re.escape(f"GatedDeltaNet2: `{arg}`")):
-        layer(rand_x(41, 1, 70), deterministic=deterministic)
+        layer(rand_x(41, 1, T), deterministic=deterministic)
+
+
+@pytest.mark.parametrize("where,attr,bad,match", [
+    ("o_norm", "eps", -1.0, "GatedRMSNorm: `eps`"), ("o_norm", "activation", "relu", "GatedRMSNorm: `activation`"),
+    ("v_conv1d", "activation", "relu", "ShortConvolution: `activation`")])
+def test_submodule_attributes_reassigned_later_are_checked_before_the_projections(where, attr, bad, match):
+    layer = _small()
+    setattr(getattr(layer, where), attr, bad)
+    layer.q_proj = layer.f_proj = _Boom()
+    with pytest.raises(ValueError, match=re.escape(match)):
+        layer(_X, deterministic=True)
+
+
+def test_norm_eps_stored_as_array_data_is_used_as_it_is():
+    """An eps a user stores as data (an array, e.g. to tune it) is not a static option: it runs, also under jit."""
+    norm = GatedRMSNorm(8)
+    x, gate = rand_x(43, 1, 3, d=8)[0], rand_x(44, 1, 3, d=8)[0]
+    want = norm(x, gate)
+    norm.eps = nnx.data(jnp.float32(1e-5))
+    np.testing.assert_array_equal(np.asarray(norm(x, gate)), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, a, b: m(a, b))(norm, x, gate)), np.asarray(want),
+                               rtol=1e-6)
 
 
 def test_norm_eps_assigned_later_is_what_the_layer_computes():
@@ -630,7 +653,7 @@ def test_norm_eps_assigned_later_is_what_the_layer_computes():
     new value. Now it is the norm's eps, checked on assignment."""
     from flax_layers.convert import fla_layer_kwargs
     x = rand_x(42, 2, 6)
-    layer, built = make_layer(5), make_layer(5, norm_eps=10.0)
+    layer, built = make_layer(5, gate_activation="sigmoid"), make_layer(5, gate_activation="sigmoid", norm_eps=10.0)
     y_before, _ = layer(x, deterministic=True)
     layer.norm_eps = 10.0
     assert layer.o_norm.eps == 10.0 and fla_layer_kwargs(layer)["norm_eps"] == 10.0
@@ -641,6 +664,22 @@ def test_norm_eps_assigned_later_is_what_the_layer_computes():
         with pytest.raises(exc, match=re.escape("GatedDeltaNet2: `norm_eps`")):
             layer.norm_eps = bad
     assert layer.norm_eps == 10.0
+
+
+def test_fla_layer_kwargs_refuses_what_no_fla_layer_computes():
+    """FLA's layer gates with a sigmoid: kwargs for a SiLU-gated layer described a different model."""
+    from flax_layers.convert import fla_layer_kwargs
+    with pytest.raises(ValueError, match="`gate_activation`='silu'"):
+        fla_layer_kwargs(make_layer(6))
+    layer = make_layer(6, gate_activation="sigmoid")
+    kw = fla_layer_kwargs(layer)
+    assert kw["mode"] == "chunk" and kw["allow_neg_eigval"] is False
+    layer.mode = "fused"
+    with pytest.raises(ValueError, match=re.escape("fla_layer_kwargs: `layer.mode`")):
+        fla_layer_kwargs(layer)
+    layer.mode, layer.allow_neg_eigval = "chunk", "no"
+    with pytest.raises(TypeError, match=re.escape("fla_layer_kwargs: `layer.allow_neg_eigval`")):
+        fla_layer_kwargs(layer)
 
 
 def test_flags_reassigned_later_are_checked_when_used():
