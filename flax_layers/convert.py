@@ -139,11 +139,11 @@ def fla_layer_kwargs(layer: GatedDeltaNet2) -> dict[str, Any]:
       TypeError / ValueError: ``layer.mode`` or ``layer.allow_neg_eigval`` reassigned to a bad value (as the
         layer's call checks them).
     """
-    if layer.gate_activation != "sigmoid":
-        raise ValueError(f"fla_layer_kwargs: FLA's GatedDeltaNet2 gates its output with a sigmoid, so it cannot "
-                         f"describe this layer (`gate_activation`={layer.gate_activation!r}); build the layer with "
-                         "gate_activation='sigmoid' (as from_fla_state_dict does)")
     fn = "fla_layer_kwargs"
+    if layer.gate_activation != "sigmoid":
+        raise ValueError(f"{fn}: FLA's GatedDeltaNet2 gates its output with a sigmoid, so it cannot describe this "
+                         f"layer (`gate_activation`={layer.gate_activation!r}); build the layer with "
+                         "gate_activation='sigmoid' (as from_fla_state_dict does)")
     return dict(hidden_size=layer.hidden_size, expand_v=layer.expand_v, head_dim=layer.head_dim,
                 num_heads=layer.num_heads, num_v_heads=layer.num_v_heads,
                 mode=check_option(fn, "layer.mode", layer.mode, MODES), use_short_conv=layer.use_short_conv,

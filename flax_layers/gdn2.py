@@ -156,8 +156,7 @@ class ShortConvolution(nnx.Module):
         _check_elements(f"`features`={features}, `kernel_size`={kernel_size}", {"kernel": (kernel_size, features)},
                         own)
         use_bias = check_bool(own, "use_bias", use_bias)
-        if activation is not None:
-            activation = check_option(own, "activation", activation, ("silu", "swish"), " or None")
+        activation = self._checked_activation(activation)
         init = _torch_conv_init if kernel_init is None else kernel_init
         self.kernel = nnx.Param(init(rngs.params(), (kernel_size, features), param_dtype),
                                 **_meta(sharding, None, "heads"))
@@ -171,10 +170,16 @@ class ShortConvolution(nnx.Module):
         self.kernel_size = kernel_size
         self.activation = activation
 
+    @staticmethod
+    def _checked_activation(activation):
+        """``activation``: None, or ``"silu"`` / ``"swish"`` as a plain str (TypeError / ValueError)."""
+        if activation is None:
+            return None
+        return check_option("ShortConvolution", "activation", activation, ("silu", "swish"), " or None")
+
     def _check_reassignable(self) -> None:
         """Check ``activation`` again (it may have been reassigned after construction)."""
-        if self.activation is not None:
-            check_option("ShortConvolution", "activation", self.activation, ("silu", "swish"), " or None")
+        self._checked_activation(self.activation)
 
     def __call__(self, x: jax.Array, *, cache: jax.Array | None = None, lengths: jax.Array | None = None,
                  cu_seqlens: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -583,9 +588,10 @@ class GatedDeltaNet2(nnx.Module):
         mode = check_option(_FN, mode_arg, getattr(self, mode_arg), MODES)
         backend = check_option(_FN, backend_arg, getattr(self, backend_arg), backends.BACKENDS)
         allow_neg_eigval = _check_bool("allow_neg_eigval", self.allow_neg_eigval)
-        if _check_bool("use_short_conv", self.use_short_conv) != hasattr(self, "q_conv1d"):
+        built_with_conv = hasattr(self, "q_conv1d")
+        if _check_bool("use_short_conv", self.use_short_conv) != built_with_conv:
             raise ValueError(f"{_FN}: `use_short_conv` cannot change after construction (the layer was built "
-                             f"{'with' if hasattr(self, 'q_conv1d') else 'without'} short convolutions)")
+                             f"{'with' if built_with_conv else 'without'} short convolutions)")
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.use_short_conv else ()
         for module in (self.o_norm, *convs):  # (their own calls check again, after the projections)
             module._check_reassignable()

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["Dims", "Problem", "check_inputs", "check_cu_seqlens", "check_state_pool", "canonical_slots", "check_bool",
-           "check_option", "check_positive_int", "check_positive_float", "check_f32_normal", "check_finite_gates", "concrete_all",
-           "traced_cu_seqlens_valid", "traced_state_pool_valid", "run_poisoned"]
+           "check_option", "check_positive_int", "check_positive_float", "check_f32_normal", "check_finite_gates",
+           "concrete_all", "traced_cu_seqlens_valid", "traced_state_pool_valid", "run_poisoned"]
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
