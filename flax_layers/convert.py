@@ -95,6 +95,10 @@ def to_fla_state_dict(layer: GatedDeltaNet2, dtype: Any = None) -> dict[str, np.
 
     Load it into torch with ``fla_layer.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})``
     (bfloat16 numpy arrays need ``dtype=np.float32`` here and ``.to(torch.bfloat16)`` there).
+
+    The weights are exported whatever ``layer.gate_activation`` is. FLA's layer gates its output with a sigmoid,
+    so an FLA layer loaded with a SiLU-gated layer's weights computes a different output; build FLA's layer with
+    :func:`fla_layer_kwargs`, which refuses such a layer.
     """
     out = {}
     for key, (path, kind) in _key_map(layer).items():
