@@ -33,6 +33,7 @@ import datetime as _dt
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -199,7 +200,8 @@ def _prefill_row(ctx: Ctx, row, seed):
 
     # ours: the public op through JAX, as a user calls it
     jx = [L.to_jax(x[n]) for n in ARGS + ("h0",)]
-    _measure_jax(row, L.jax_prefill_fn(), jx, target_s=0.05)
+    jf = L.jax_prefill_fn()
+    _measure_jax(row, jf, jx, target_s=0.05)
 
     # the same kernels through torch, whole pipeline and launch by launch
     if ctx.kernels_ok:
@@ -212,6 +214,12 @@ def _prefill_row(ctx: Ctx, row, seed):
         t = attempt(row, "torch_host", lambda: L.host_ms(ours_t, L.torch_sync, target_s=0.05))
         row["torch_host_ms"] = t[0] if t else None
         row["torch_peak_MiB"] = attempt(row, "torch_peak", lambda: L.torch_extra_peak_mib(ours_t))
+
+        # host loops of both paths alternated, so that clock drift hits both (the device time of each path, from
+        # a CUPTI trace, is benchmarks.jax_cost_probe's: a trace in this process could slow the later sections)
+        alt = attempt(row, "alternated", lambda: L.alternated_ratios(lambda: jf(*jx), L.jax_sync, ours_t, L.torch_sync))
+        row["jax_over_torch_alt_rounds"] = alt
+        row["jax_over_torch_alt"] = statistics.median(alt) if alt else None
 
         def stages():
             from kernels import registry  # (the launches the public call runs: its per-call options too)

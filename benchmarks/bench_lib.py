@@ -7,6 +7,7 @@ pure-Python parts (floor estimate, RMS, argument lists) import and run on any ho
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import platform
@@ -164,6 +165,73 @@ def host_ms(fn, sync, *, n=None, reps=5, warm=3, target_s=0.05, max_n=2000):
         sync(r)
         ts.append((time.perf_counter() - t0) / n * 1e3)
     return statistics.median(ts), n
+
+
+def alternated_ratios(f_a, sync_a, f_b, sync_b, *, rounds=3, target_s=0.05) -> list[float]:
+    """``rounds`` pairs of host-clock loops (:func:`host_ms`), ``f_a`` then ``f_b``: the ratio a / b of each pair.
+    Alternating spreads clock drift over both paths; take the median."""
+    out = []
+    for _ in range(rounds):
+        a = host_ms(f_a, sync_a, target_s=target_s)[0]
+        b = host_ms(f_b, sync_b, target_s=target_s)[0]
+        out.append(a / b)
+    return out
+
+
+def trace_events(trace: Path) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every device kernel, memset and memcpy in a chrome trace written by
+    ``torch.profiler``, in start order."""
+    events = json.loads(Path(trace).read_text())["traceEvents"]
+    out = [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
+           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    out.sort(key=lambda t: t[1])
+    return out
+
+
+def trace_summary(events, calls: int) -> dict | None:
+    """Device time of ``calls`` calls from :func:`trace_events`: busy (sum of durations) and span (first start to
+    last end) per call, idle gaps between consecutive events, and per event name count / median / sum. ``None``
+    when there are no events."""
+    if not events:
+        return None
+    by_name: dict[str, list[float]] = {}
+    for name, _, dur in events:
+        by_name.setdefault(name, []).append(dur)
+    gaps = [b[1] - (a[1] + a[2]) for a, b in zip(events, events[1:])]
+    return {
+        "n_events": len(events),
+        "kernels": {n[:90]: {"count": len(d), "median_us": statistics.median(d), "sum_us": sum(d)}
+                    for n, d in by_name.items()},
+        "busy_us_per_call": sum(e[2] for e in events) / calls,
+        "span_us_per_call": (events[-1][1] + events[-1][2] - events[0][1]) / calls,
+        "gap_median_us": statistics.median(gaps) if gaps else None,
+        "gap_max_us": max(gaps) if gaps else None,
+        "gaps_over_5us": sorted(round(g, 1) for g in gaps if g > 5.0),
+    }
+
+
+def traced_calls(fn, sync, *, calls=10, trace_path: Path | None = None) -> dict | None:
+    """One CUPTI trace (``torch.profiler``, which records every kernel of the process, XLA's too) of ``calls``
+    back-to-back calls of ``fn`` after one warm call, then :func:`trace_summary`. The chrome trace goes to
+    ``trace_path`` (else a temporary file). ``None`` when no device event was recorded (a CPU run)."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE != "cpu" else [])
+    r = fn()
+    sync(r)
+    torch_sync()
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            r = fn()
+        sync(r)
+        torch_sync()
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(trace_path or Path(d) / "trace.json")
+        prof.export_chrome_trace(str(path))
+        return trace_summary(trace_events(path), calls)
 
 
 def torch_sync(_=None):

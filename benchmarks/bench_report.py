@@ -9,7 +9,8 @@ TIMING = {
                 "final `block_until_ready`, median of 5 repeats); `torch_ms` (the same kernels through "
                 "`kernels.torch_api.chunk_gdn2`), `fla_ms` (FLA under `torch.inference_mode()`) and `stage_ms` (each "
                 "launch alone, buffers allocated once): `triton.testing.do_bench` medians (CUDA events, L2 flushed "
-                "before each call); `torch_host_ms` / `fla_host_ms`: the host-clock loop of the JAX path."),
+                "before each call); `torch_host_ms` / `fla_host_ms`: the host-clock loop of the JAX path. "
+                "JAX / torch (alt): median of 3 alternated pairs of host loops (JAX, then torch)."),
     "train": ("`ours_ms`: `jax.jit(jax.value_and_grad(loss, argnums=(0..5)))`, host-clock loop; `fla_ms`: FLA forward + "
               "`backward()` with `do_bench` (`grad_to_none` = the six inputs); `fla_host_ms`: the host-clock loop. "
               "Peak: torch `max_memory_allocated` − allocated before one step; JAX: XLA memory analysis "
@@ -97,12 +98,14 @@ def markdown(res: dict) -> str:
               "Timing: " + TIMING["prefill"] + " Floor: bytes of q,k,v,b,w (bf16), g (fp32), o (bf16) and the two fp32 "
               "states over the copy bandwidth.", "",
               "| B | T | H | ours ms (JAX) | FLA ms | speedup | speedup (host) | torch ms | JAX / torch | JAX / torch "
-              "(host) | floor ms | ours / floor | stages ms (share) | extra MiB ours / torch / FLA | backend |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "(host) | JAX / torch (alt) | floor ms | ours / floor | stages ms (share) | "
+              "extra MiB ours / torch / FLA | backend |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             L.append(f"| {_shape(r)} | {_f(r.get('ours_ms'))} | {_f(r.get('fla_ms'))} | {_x(r.get('speedup'))} | "
                      f"{_x(r.get('speedup_host'))} | "
                      f"{_f(r.get('torch_ms'))} | {_f(r.get('jax_over_torch'))} | {_f(r.get('jax_over_torch_host'))} | "
+                     f"{_f(r.get('jax_over_torch_alt'))} | "
                      f"{_f(r.get('floor_ms'))} | {_x(r.get('ours_over_floor'))} | {_stages(r)} | "
                      f"{_f(r.get('ours_peak_MiB'), 0)} / {_f(r.get('torch_peak_MiB'), 0)} / "
                      f"{_f(r.get('fla_peak_MiB'), 0)} | {r.get('ours_backend', '—')} |")

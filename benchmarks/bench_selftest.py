@@ -65,6 +65,25 @@ def test_small_helpers():
     calls = []
     ms, n = L.host_ms(lambda: calls.append(1), lambda r: None, reps=2, warm=1, target_s=0.001, max_n=50)
     assert ms >= 0 and 3 <= n <= 50 and len(calls) == 1 + 1 + 2 * n
+    ra = L.alternated_ratios(lambda: sum(range(2000)), lambda r: None, lambda: sum(range(20)), lambda r: None,
+                             rounds=2, target_s=0.001)
+    assert len(ra) == 2 and all(v > 1.0 for v in ra), ra  # a is 100x the work of b
+    trace = {"traceEvents": [  # two calls of two kernels, a CPU op and a memcpy between them
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 12, "dur": 5},
+        {"ph": "X", "cat": "cpu_op", "name": "op", "ts": 1, "dur": 100},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "cp", "ts": 20, "dur": 2},
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 30, "dur": 11},
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 41, "dur": 5}]}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "t.json"
+        path.write_text(json.dumps(trace))
+        ev = L.trace_events(path)
+    assert [e[0] for e in ev] == ["k1", "k2", "cp", "k1", "k2"], ev
+    sm = L.trace_summary(ev, 2)
+    assert sm["busy_us_per_call"] == 16.5 and sm["span_us_per_call"] == 23.0 and sm["gaps_over_5us"] == [8.0]
+    assert sm["kernels"]["k1"] == {"count": 2, "median_us": 10.5, "sum_us": 21.0} and sm["gap_median_us"] == 2.5
+    assert L.trace_summary([], 2) is None
 
 
 def _fake_result():
@@ -380,6 +399,7 @@ def test_sections_cpu():
                                  and r["jax_over_torch"] and set(r["stage_ms"]) == {"gdn2_chunk_intra",
                                                                                    "gdn2_chunk_state_o"}
                                  and r["ours_peak_MiB"] > 0 for r in pre), pre
+    assert all(len(r["jax_over_torch_alt_rounds"]) == 3 and r["jax_over_torch_alt"] > 0 for r in pre), pre
     tr = saved_res["train"]
     assert len(tr) == 2 and all(r["ours_ms"] and r["fla_ms"] and r["speedup"] and r["ours_peak_MiB"] for r in tr), tr
     dec = saved_res["decode"]

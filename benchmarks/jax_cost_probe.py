@@ -7,9 +7,11 @@ answers whether that is kernel time (the same kernels running slower under XLA: 
 kernels (dispatch, allocation, host callbacks):
 
 1. host loops of both paths, alternated three times (order and drift);
-2. one CUPTI trace (``torch.profiler``, which records every kernel of the process, XLA's too) of ``--calls``
-   back-to-back calls of each path: per kernel name the median duration on each path, and the median idle time
-   between consecutive kernels (gap) and per call (period).
+2. one CUPTI trace of ``--calls`` back-to-back calls of each path (``bench_lib.traced_calls``): device busy time
+   and span per call, per kernel name the median duration, and the idle gaps between consecutive kernels.
+
+The benchmark's prefill rows carry the first (``jax_over_torch_alt``); the trace runs here, in its own process,
+so that it cannot slow the benchmark's later sections.
 
 Usage: ``python -m benchmarks.jax_cost_probe --out DIR [--shape B,T,H ...]``. Writes ``DIR/jax_cost_probe.json``
 and prints one summary line per shape.
@@ -19,45 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 from . import bench_lib as L
-
-ARGS = ("q", "k", "v", "g", "b", "w")
-
-
-def _kernel_events(trace: Path):
-    """(name, start_us, dur_us) of every device kernel / memset / memcpy in a chrome trace, in start order."""
-    events = json.loads(trace.read_text())["traceEvents"]
-    out = [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
-           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
-    out.sort(key=lambda t: t[1])
-    return out
-
-
-def _summarise(events, calls: int) -> dict:
-    by_name: dict[str, list[float]] = {}
-    for name, _, dur in events:
-        by_name.setdefault(name, []).append(dur)
-    gaps = [b[1] - (a[1] + a[2]) for a, b in zip(events, events[1:])]
-    span = (events[-1][1] + events[-1][2] - events[0][1]) if events else 0.0
-    return {
-        "n_events": len(events),
-        "kernels": {n[:90]: {"count": len(d), "median_us": statistics.median(d), "sum_us": sum(d)}
-                    for n, d in by_name.items()},
-        "busy_us_per_call": sum(e[2] for e in events) / calls,
-        "span_us_per_call": span / calls,
-        "gap_median_us": statistics.median(gaps) if gaps else None,
-        "gap_max_us": max(gaps) if gaps else None,
-        "gaps_over_5us": sorted(round(g, 1) for g in gaps if g > 5.0),
-    }
+from .bench_lib import ARGS
 
 
 def probe(B: int, T: int, H: int, calls: int, out: Path) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     from kernels import torch_api
 
     x = L.torch_inputs(B, T, H, H, seed=100)
@@ -71,25 +41,11 @@ def probe(B: int, T: int, H: int, calls: int, out: Path) -> dict:
     def torch_call():
         return torch_api.chunk_gdn2(*a, initial_state=h0, output_final_state=True)
 
-    row = {"B": B, "T": T, "H": H, "host": []}
-    for _ in range(3):  # alternated: order and drift
-        j = L.host_ms(jax_call, L.jax_sync, target_s=0.05)[0]
-        t = L.host_ms(torch_call, L.torch_sync, target_s=0.05)[0]
-        row["host"].append({"jax_ms": j, "torch_ms": t, "ratio": j / t})
+    row = {"B": B, "T": T, "H": H}
+    row["host_ratios"] = L.alternated_ratios(jax_call, L.jax_sync, torch_call, L.torch_sync)
     row["torch_do_bench_ms"] = L.event_ms(torch_call, warmup=10, rep=50)
-
     for path, fn, sync in (("jax", jax_call, L.jax_sync), ("torch", torch_call, L.torch_sync)):
-        r = fn()
-        sync(r)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                r = fn()
-            sync(r)
-            torch.cuda.synchronize()
-        trace = out / f"trace-{path}-B{B}-T{T}-H{H}.json"
-        prof.export_chrome_trace(str(trace))
-        row[path] = _summarise(_kernel_events(trace), calls)
+        row[path] = L.traced_calls(fn, sync, calls=calls, trace_path=out / f"trace-{path}-B{B}-T{T}-H{H}.json")
     return row
 
 
@@ -106,7 +62,7 @@ def main(argv=None):
         row = probe(B, T, H, args.calls, args.out)
         rows.append(row)
         j, t = row["jax"], row["torch"]
-        print(f"PROBE B{B} T{T} H{H}: host ratios {[round(h['ratio'], 4) for h in row['host']]}; "
+        print(f"PROBE B{B} T{T} H{H}: host ratios {[round(h, 4) for h in row['host_ratios']]}; "
               f"busy/call jax {j['busy_us_per_call']:.1f} torch {t['busy_us_per_call']:.1f} us; "
               f"span/call jax {j['span_us_per_call']:.1f} torch {t['span_us_per_call']:.1f} us; "
               f"events jax {j['n_events']} torch {t['n_events']}", flush=True)
