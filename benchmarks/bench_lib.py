@@ -168,42 +168,49 @@ def host_ms(fn, sync, *, n=None, reps=5, warm=3, target_s=0.05, max_n=2000):
 
 
 def alternated_ratios(f_a, sync_a, f_b, sync_b, *, rounds=3, target_s=0.05) -> list[float]:
-    """``rounds`` pairs of host-clock loops (:func:`host_ms`), ``f_a`` then ``f_b``: the ratio a / b of each pair.
-    Alternating spreads clock drift over both paths; take the median."""
-    out = []
-    for _ in range(rounds):
-        a = host_ms(f_a, sync_a, target_s=target_s)[0]
-        b = host_ms(f_b, sync_b, target_s=target_s)[0]
-        out.append(a / b)
+    """``rounds`` pairs of host-clock loops (:func:`host_ms`), ``f_a`` first in even rounds and ``f_b`` first in odd
+    ones: the ratio a / b of each pair. Alternating the order spreads clock drift over both paths; take the median."""
+    paths, out = ((f_a, sync_a), (f_b, sync_b)), []
+    for i in range(rounds):
+        ms = [0.0, 0.0]
+        for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+            ms[j] = host_ms(*paths[j], target_s=target_s)[0]
+        out.append(ms[0] / ms[1])
     return out
 
 
 def trace_events(trace: Path) -> list[tuple[str, float, float]]:
     """(name, start us, duration us) of every device kernel, memset and memcpy in a chrome trace written by
-    ``torch.profiler``, in start order."""
+    ``torch.profiler``, in start order. A kernel's name carries its grid (``name grid=[x, y, z]``): TileLang names
+    every kernel ``main_kernel``."""
     events = json.loads(Path(trace).read_text())["traceEvents"]
-    out = [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
-           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    out = [(e["name"] + (f" grid={e['args']['grid']}" if "grid" in e.get("args", {}) else ""), float(e["ts"]),
+            float(e.get("dur", 0.0)))
+           for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
     out.sort(key=lambda t: t[1])
     return out
 
 
 def trace_summary(events, calls: int) -> dict | None:
-    """Device time of ``calls`` calls from :func:`trace_events`: busy (sum of durations) and span (first start to
-    last end) per call, idle gaps between consecutive events, and per event name count / median / sum. ``None``
-    when there are no events."""
+    """Device time of ``calls`` calls from :func:`trace_events`: busy (sum of durations; overlapping events count
+    twice) and span (first start to last end) per call, idle gaps (time with no event running, between one
+    event's start and the latest end before it), and per event name count / median / sum. ``None`` when there are
+    no events."""
     if not events:
         return None
     by_name: dict[str, list[float]] = {}
     for name, _, dur in events:
         by_name.setdefault(name, []).append(dur)
-    gaps = [b[1] - (a[1] + a[2]) for a, b in zip(events, events[1:])]
+    gaps, end = [], events[0][1] + events[0][2]
+    for _, start, dur in events[1:]:
+        gaps.append(max(0.0, start - end))
+        end = max(end, start + dur)
     return {
         "n_events": len(events),
-        "kernels": {n[:90]: {"count": len(d), "median_us": statistics.median(d), "sum_us": sum(d)}
+        "kernels": {n: {"count": len(d), "median_us": statistics.median(d), "sum_us": sum(d)}
                     for n, d in by_name.items()},
         "busy_us_per_call": sum(e[2] for e in events) / calls,
-        "span_us_per_call": (events[-1][1] + events[-1][2] - events[0][1]) / calls,
+        "span_us_per_call": (end - events[0][1]) / calls,
         "gap_median_us": statistics.median(gaps) if gaps else None,
         "gap_max_us": max(gaps) if gaps else None,
         "gaps_over_5us": sorted(round(g, 1) for g in gaps if g > 5.0),

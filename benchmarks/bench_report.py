@@ -10,7 +10,7 @@ TIMING = {
                 "`kernels.torch_api.chunk_gdn2`), `fla_ms` (FLA under `torch.inference_mode()`) and `stage_ms` (each "
                 "launch alone, buffers allocated once): `triton.testing.do_bench` medians (CUDA events, L2 flushed "
                 "before each call); `torch_host_ms` / `fla_host_ms`: the host-clock loop of the JAX path. "
-                "JAX / torch (alt): median of 3 alternated pairs of host loops (JAX, then torch)."),
+                "JAX / torch (alt): median of 3 pairs of host loops, in alternating order (JAX first, then torch first)."),
     "train": ("`ours_ms`: `jax.jit(jax.value_and_grad(loss, argnums=(0..5)))`, host-clock loop; `fla_ms`: FLA forward + "
               "`backward()` with `do_bench` (`grad_to_none` = the six inputs); `fla_host_ms`: the host-clock loop. "
               "Peak: torch `max_memory_allocated` − allocated before one step; JAX: XLA memory analysis "

@@ -84,6 +84,13 @@ def test_small_helpers():
     assert sm["busy_us_per_call"] == 16.5 and sm["span_us_per_call"] == 23.0 and sm["gaps_over_5us"] == [8.0]
     assert sm["kernels"]["k1"] == {"count": 2, "median_us": 10.5, "sum_us": 21.0} and sm["gap_median_us"] == 2.5
     assert L.trace_summary([], 2) is None
+    sm = L.trace_summary([("long", 0.0, 100.0), ("a", 10.0, 5.0), ("b", 20.0, 5.0), ("c", 110.0, 4.0)], 1)
+    assert sm["span_us_per_call"] == 114.0 and sm["gaps_over_5us"] == [10.0] and sm["gap_median_us"] == 0.0, sm
+    trace["traceEvents"][0]["args"] = {"grid": [4, 32, 1]}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "t.json"
+        path.write_text(json.dumps(trace))
+        assert L.trace_events(path)[0][0] == "k1 grid=[4, 32, 1]"
 
 
 def _fake_result():

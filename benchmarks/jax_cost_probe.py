@@ -61,16 +61,19 @@ def main(argv=None):
     for B, T, H in shapes:
         row = probe(B, T, H, args.calls, args.out)
         rows.append(row)
+        (args.out / "jax_cost_probe.json").write_text(json.dumps(rows, indent=1))
         j, t = row["jax"], row["torch"]
+        if j is None or t is None:
+            print(f"PROBE B{B} T{T} H{H}: host ratios {row['host_ratios']}; a trace recorded no device event")
+            continue
         print(f"PROBE B{B} T{T} H{H}: host ratios {[round(h, 4) for h in row['host_ratios']]}; "
               f"busy/call jax {j['busy_us_per_call']:.1f} torch {t['busy_us_per_call']:.1f} us; "
               f"span/call jax {j['span_us_per_call']:.1f} torch {t['span_us_per_call']:.1f} us; "
               f"events jax {j['n_events']} torch {t['n_events']}", flush=True)
         for name in sorted(set(j["kernels"]) | set(t["kernels"])):
             kj, kt = j["kernels"].get(name), t["kernels"].get(name)
-            print(f"   {name[:60]:60s} jax {kj and (kj['count'], round(kj['median_us'], 1))} "
+            print(f"   {name[:80]:80s} jax {kj and (kj['count'], round(kj['median_us'], 1))} "
                   f"torch {kt and (kt['count'], round(kt['median_us'], 1))}", flush=True)
-        (args.out / "jax_cost_probe.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

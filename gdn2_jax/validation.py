@@ -264,7 +264,7 @@ def check_positive_float(fn: str, name: str, value) -> float:
     if (isinstance(value, (bool, np.bool_)) or is_timedelta
             or not (isinstance(value, (int, float, np.integer, np.floating)) or is_real_array)):
         raise TypeError(f"{fn}: `{name}` must be a real number (a Python or NumPy int or float, or a 0-d integer or "
-                        f"floating-point array), got {type(value).__name__} {value!r}")
+                        f"floating-point array), got {_got(value, 'a number')}")
     try:
         as_float = float(value)
     except OverflowError:  # (a Python int beyond float's range)
